@@ -1,0 +1,31 @@
+"""Triton, if installed, and whether its interpreter is on (``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - Triton ships Linux wheels only
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+
+# Triton decides at decoration time whether @triton.jit functions run in its interpreter, so this is read once,
+# when the kernels are imported; setting the variable later has no effect on them.
+INTERPRETER = AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def version_tuple() -> tuple:
+    """Triton's version as integers, (0,) when Triton is missing."""
+    if not AVAILABLE:
+        return (0,)
+    parts = []
+    for piece in triton.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)

@@ -1,0 +1,120 @@
+"""The one Triton kernel behind pack and unpack: a flat work list of (source, destination, length) blocks.
+
+Each program converts one block: it reads ``length <= BLOCK`` elements at ``src_base + src_offset``, multiplies by
+``scale`` in float32, rounds once (round-to-nearest-even) to the destination dtype and writes the bit pattern at
+``dst_base + dst_offset``. Offsets are int64 element offsets relative to the base pointers, so one launch can gather
+from (pack) or scatter to (unpack) any number of tensors of one dtype, wherever they live, without a grid of
+(blocks x tensors) programs that mostly idle.
+
+Rounding is written with integer arithmetic, because Triton's interpreter truncates float32 -> bfloat16 while the
+GPU rounds; written out, GPU, interpreter and the torch path agree to the bit. Every NaN becomes the canonical quiet
+NaN of the destination dtype (torch itself is not consistent here: its scalar CPU path, vectorised CPU path and CUDA
+path give three different NaN bit patterns).
+"""
+
+from __future__ import annotations
+
+from . import _triton
+
+triton, tl = _triton.triton, _triton.tl
+
+# Destination kinds, a constexpr of the kernel. The destination is always written through an integer view.
+OUT_BF16 = 0
+OUT_FP16 = 1
+OUT_FP32 = 2
+
+# Canonical quiet NaNs written for any NaN: the payload-free, positive quiet NaN of each format.
+NAN_BITS = {OUT_BF16: 0x7FC0, OUT_FP16: 0x7E00, OUT_FP32: 0x7FC00000}
+
+# Offsets that are multiples of ALIGN elements let the compiler emit 16-byte vector accesses (16 elements covers
+# both 4-byte and 2-byte dtypes); layouts that break it compile the ALIGN=1 variant.
+ALIGN = 16
+
+# Columns of the work table, one int64 row per block.
+TABLE_COLUMNS = 3  # src_offset, dst_offset, length
+
+if _triton.AVAILABLE:
+
+    @triton.jit
+    def _fp32_to_bf16_bits(x):
+        """Round float32 to bfloat16 (nearest, ties to even) and return the 16 bits as int16."""
+        bits = x.to(tl.uint32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        rounded = (bits + 0x7FFF + lsb) >> 16  # a carry out of the mantissa correctly bumps the exponent
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _bf16_bits_to_fp32(bits):
+        """Widen bfloat16 bits (int16) to float32 exactly; the interpreter's own widening mangles subnormals."""
+        return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load_fp32(ptr, mask, SRC_BF16: tl.constexpr, MASKED: tl.constexpr):
+        """Load source elements as float32; bfloat16 sources arrive as their int16 bits."""
+        if MASKED:
+            raw = tl.load(ptr, mask=mask, other=0)
+        else:
+            raw = tl.load(ptr)
+        if SRC_BF16:
+            return _bf16_bits_to_fp32(raw)
+        return raw.to(tl.float32)
+
+    @triton.jit
+    def _convert(x, scale, APPLY_SCALE: tl.constexpr, OUT_KIND: tl.constexpr):
+        """float32 values -> (destination bit pattern, float32 value of what is stored)."""
+        if APPLY_SCALE:
+            x = x * scale
+        if OUT_KIND == 0:
+            bits = _fp32_to_bf16_bits(x)
+            stored = _bf16_bits_to_fp32(bits)
+        elif OUT_KIND == 1:
+            half = x.to(tl.float16)  # cvt.rn on the GPU, numpy's round-to-nearest-even in the interpreter
+            bits = tl.where(x != x, 0x7E00, half.to(tl.int16, bitcast=True).to(tl.int32)).to(tl.int16)
+            stored = half.to(tl.float32)
+        else:
+            bits = tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))
+            stored = x
+        return bits, stored
+
+    @triton.jit
+    def _worklist_convert_kernel(
+        src_base,
+        dst_base,
+        table,
+        scale,
+        stats,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        APPLY_SCALE: tl.constexpr,
+        SRC_BF16: tl.constexpr,
+        OUT_KIND: tl.constexpr,
+        STATS: tl.constexpr,
+    ):
+        item = tl.program_id(0).to(tl.int64)
+        src_offset = tl.load(table + item * 3)
+        dst_offset = tl.load(table + item * 3 + 1)
+        length = tl.load(table + item * 3 + 2)
+        if ALIGNED:
+            src_offset = tl.multiple_of(src_offset, 16)
+            dst_offset = tl.multiple_of(dst_offset, 16)
+        lanes = tl.arange(0, BLOCK)
+        src = src_base + src_offset + lanes
+        dst = dst_base + dst_offset + lanes
+        if length == BLOCK:  # full blocks go unmasked so that loads and stores vectorise
+            bits, stored = _convert(_load_fp32(src, None, SRC_BF16, False), scale, APPLY_SCALE, OUT_KIND)
+            tl.store(dst, bits)
+        else:
+            mask = lanes < length
+            x = _load_fp32(src, mask, SRC_BF16, True)
+            bits, stored = _convert(x, scale, APPLY_SCALE, OUT_KIND)
+            tl.store(dst, bits, mask=mask)
+            stored = tl.where(mask, stored, 0.0)
+        if STATS:
+            # One partial per block, summed later in a fixed order: deterministic, no atomics.
+            nonfinite = (stored != stored) | (tl.abs(stored) == float("inf"))
+            tl.store(stats + item * 2, tl.sum(stored * stored, axis=0))
+            tl.store(stats + item * 2 + 1, tl.sum(nonfinite.to(tl.float32), axis=0))
+
+else:  # pragma: no cover - exercised only where Triton is missing
+    _worklist_convert_kernel = None

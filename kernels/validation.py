@@ -1,0 +1,115 @@
+"""Input checks for pack and unpack: every problem is named before anything is launched."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _describe(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """TypeError unless ``dtype`` is one the kernels convert."""
+    if dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(_describe(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{what} has dtype {_describe(dtype)}; supported dtypes are {supported}")
+
+
+def check_scale(scale: float) -> float:
+    """The scale as a Python float; it must be a finite real number."""
+    if isinstance(scale, torch.Tensor) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_tensor_list(tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
+    """The tensors as a list, all dense, contiguous, of one supported dtype and on one device."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{what} must be a list or tuple of tensors, not a single tensor")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{i}] is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided:
+            raise TypeError(f"{what}[{i}] has layout {t.layout}; only dense (strided) tensors are supported")
+        check_dtype(t.dtype, f"{what}[{i}]")
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(
+                f"{what} mix dtypes: {what}[0] is {_describe(tensors[0].dtype)}, {what}[{i}] is {_describe(t.dtype)}"
+            )
+        if t.device != tensors[0].device:
+            raise ValueError(f"{what} mix devices: {what}[0] is on {tensors[0].device}, {what}[{i}] on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}[{i}] is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    return tensors
+
+
+def check_flat(flat: torch.Tensor, what: str, numel: int, tensors: Sequence[torch.Tensor]) -> None:
+    """``flat`` must be a dense, contiguous 1-D tensor of ``numel`` elements on the tensors' device."""
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(flat).__name__}")
+    if flat.layout != torch.strided:
+        raise TypeError(f"{what} has layout {flat.layout}; only dense (strided) tensors are supported")
+    check_dtype(flat.dtype, what)
+    if flat.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(flat.shape)}")
+    if not flat.is_contiguous():
+        raise ValueError(f"{what} must be contiguous, got stride {flat.stride()}")
+    if flat.numel() != numel:
+        raise ValueError(f"{what} has {flat.numel()} elements but the tensors hold {numel}")
+    if tensors and flat.device != tensors[0].device:
+        raise ValueError(f"{what} is on {flat.device} but the tensors are on {tensors[0].device}")
+
+
+def _byte_range(ptr: int, numel: int, elsize: int) -> tuple:
+    return ptr, ptr + numel * elsize
+
+
+def same_memory(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
+    """True when the tensors, in order, are exactly ``flat``'s memory with ``flat``'s dtype (in-place use)."""
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if not nonempty or any(t.dtype != flat.dtype for t in nonempty):
+        return False
+    expected = flat.data_ptr()
+    for t in nonempty:
+        if t.data_ptr() != expected:
+            return False
+        expected += t.numel() * t.element_size()
+    return expected == flat.data_ptr() + flat.numel() * flat.element_size()
+
+
+def check_overlap(tensors: Sequence[torch.Tensor], flat: torch.Tensor, what: str, tensors_written: bool) -> bool:
+    """Refuse any overlap but exact identity; return True for the in-place (identical memory) case.
+
+    When the tensors are written (unpack), they must not overlap one another either: two writers of one element
+    would leave it holding whichever ran last.
+    """
+    if same_memory(tensors, flat):
+        return True
+    lo, hi = _byte_range(flat.data_ptr(), flat.numel(), flat.element_size())
+    ranges = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        t_lo, t_hi = _byte_range(t.data_ptr(), t.numel(), t.element_size())
+        if flat.numel() and t_lo < hi and lo < t_hi:
+            raise ValueError(
+                f"{what} overlaps tensors[{i}] in memory; it may be the very same memory as the tensors "
+                "(same dtype, in order) but must not partly overlap them"
+            )
+        ranges.append((t_lo, t_hi, i))
+    if tensors_written:
+        ranges.sort()
+        for (_, a_hi, a), (b_lo, _, b) in zip(ranges, ranges[1:]):
+            if b_lo < a_hi:
+                raise ValueError(f"tensors[{a}] and tensors[{b}] overlap in memory; each element needs one writer")
+    return False

@@ -1,0 +1,142 @@
+"""The work list: which blocks of which tensors each program of the kernel converts.
+
+A list of tensors on one side (the sources of pack, the destinations of unpack) and one flat buffer on the other.
+Tensors that are contiguous neighbours in memory (DDP's bucket views are) are merged into one segment, each segment
+is cut into blocks, and every block becomes one int64 row ``(src_offset, dst_offset, length)`` in elements relative to
+two base pointers. Plans depend only on addresses and sizes, so they are cached and built once per layout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .convert import ALIGN
+
+# Plans are small (24 bytes per block) but a long-running job may see many layouts; keep the recent ones.
+_PLAN_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A work table on the tensors' device, and how to launch over it."""
+
+    table: torch.Tensor  # (n_items, 3) int64
+    n_items: int
+    block: int
+    num_warps: int
+    aligned: bool  # every block offset is a multiple of ALIGN elements
+    many_base: int  # index into the tensor list of the tensor whose address is the base pointer (-1: none)
+
+
+def launch_config(total_elements: int, n_segments: int) -> Tuple[int, int]:
+    """(BLOCK, num_warps) for a work list.
+
+    From the sweep on one H200 (shared/measurements/h200-2026-11-30-kernels2.json): many small tensors (GPT-2's 148
+    gradients) were fastest at 2048/4, one 100 MiB bucket at 2048/8, one 25 MiB bucket at 4096/4.
+    """
+    if n_segments > 1 and total_elements < n_segments * (1 << 20):
+        return 2048, 4
+    if total_elements >= (16 << 20):
+        return 2048, 8
+    return 4096, 4
+
+
+def segments(tensors: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
+    """(address, numel) runs of contiguous memory, neighbours merged, zero-size tensors dropped, order kept."""
+    runs: List[Tuple[int, int]] = []
+    for t in tensors:
+        n = t.numel()
+        if n == 0:
+            continue
+        ptr = t.data_ptr()
+        if runs and runs[-1][0] + runs[-1][1] * t.element_size() == ptr:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((ptr, n))
+    return runs
+
+
+def _first_nonempty(tensors: Sequence[torch.Tensor]) -> int:
+    return next((i for i, t in enumerate(tensors) if t.numel() > 0), -1)
+
+
+def build_plan(
+    tensors: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    many_is_source: bool,
+    device: torch.device,
+) -> Plan:
+    """The work table between ``tensors`` and ``flat`` (pack: tensors -> flat; unpack: flat -> tensors)."""
+    runs = segments(tensors)
+    many_base = _first_nonempty(tensors)
+    total = sum(n for _, n in runs)
+    block, num_warps = launch_config(total, len(runs))
+    if not runs:
+        empty = torch.empty((0, 3), dtype=torch.int64, device=device)
+        return Plan(empty, 0, block, num_warps, True, many_base)
+
+    elsize = tensors[many_base].element_size()
+    base_ptr = tensors[many_base].data_ptr()
+    many_starts, flat_starts, lengths = [], [], []
+    position = 0
+    for ptr, n in runs:
+        # Storage is always aligned to its element size, so this division is exact.
+        many_starts.append((ptr - base_ptr) // elsize)
+        flat_starts.append(position)
+        lengths.append(n)
+        position += n
+
+    seg_many = torch.tensor(many_starts, dtype=torch.int64)
+    seg_flat = torch.tensor(flat_starts, dtype=torch.int64)
+    seg_len = torch.tensor(lengths, dtype=torch.int64)
+    blocks_per_seg = (seg_len + block - 1) // block
+    seg_of_item = torch.repeat_interleave(torch.arange(len(runs)), blocks_per_seg)
+    first_item = torch.cumsum(blocks_per_seg, 0) - blocks_per_seg
+    within = (torch.arange(int(blocks_per_seg.sum())) - first_item[seg_of_item]) * block
+    many_off = seg_many[seg_of_item] + within
+    flat_off = seg_flat[seg_of_item] + within
+    length = torch.clamp(seg_len[seg_of_item] - within, max=block)
+    src, dst = (many_off, flat_off) if many_is_source else (flat_off, many_off)
+    table = torch.stack([src, dst, length], dim=1).contiguous()
+    aligned = bool((seg_many % ALIGN == 0).all() and (seg_flat % ALIGN == 0).all())
+    return Plan(table.to(device), table.shape[0], block, num_warps, aligned, many_base)
+
+
+class PlanCache:
+    """LRU cache of plans keyed by layout: addresses, sizes, dtype, direction and device."""
+
+    def __init__(self, capacity: int = _PLAN_CACHE_SIZE) -> None:
+        self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._capacity = capacity
+
+    def get(
+        self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, many_is_source: bool
+    ) -> Plan:
+        device = flat.device
+        key = (
+            many_is_source,
+            str(device),
+            flat.data_ptr(),
+            flat.numel(),
+            tensors[0].element_size() if tensors else 0,
+            tuple((t.data_ptr(), t.numel()) for t in tensors),
+        )
+        plan: Optional[Plan] = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(tensors, flat, many_is_source, device)
+            self._plans[key] = plan
+            if len(self._plans) > self._capacity:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+PLANS = PlanCache()
