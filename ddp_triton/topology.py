@@ -1,0 +1,992 @@
+"""The GPU topology of one node: which GPUs there are, how they are joined, and how fast.
+
+The cost model and the autotuner need to know whether a ring inside a node runs over NVLink or PCIe, how many
+nodes take part and how fast they are joined. Three ways to get a `Topology`:
+
+- `from_nvml()` reads the machine through NVML (pynvml's API). VMs and containers often answer only part of it
+  (the H200 VM we measured raised NotSupported for every NVLink call), so every call is tried on its own, what
+  answers is kept and what does not is written to `Topology.notes`.
+- `load_preset(name)` returns a described machine (DGX H100, ...; see `ddp_triton.presets`).
+- `Topology.load(path)` reads a JSON file written by `Topology.save`.
+
+NVML sees neither NICs nor other nodes: `apply_launch_env` sets the node count from the launcher's environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "GPU",
+    "PRESETS",  # noqa: F822 (served by __getattr__ below, from ddp_triton.presets)
+    "Topology",
+    "TopologyError",
+    "apply_launch_env",
+    "build_matrix",
+    "cpu_affinity_from_words",
+    "format_cpu_ranges",
+    "from_nvml",
+    "load_preset",
+    "load_topology",
+    "nvlink_count",
+]
+
+FORMAT_VERSION = 1  # the "format" key of saved JSON files; bump when a field changes meaning
+
+# Labels between two GPUs, as `nvidia-smi topo -m` prints them. NV<n> = n bonded NVLinks.
+PCIE_LABELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+_LABEL_RE = re.compile(r"^(X|NV[1-9][0-9]*|PIX|PXB|PHB|NODE|SYS)$")
+_NV_RE = re.compile(r"^NV([1-9][0-9]*)$")
+
+# P2P read status labels, as `nvidia-smi topo -p2p r` prints them.
+P2P_LABELS = ("OK", "CNS", "GNS", "TNS", "NS", "U")
+
+SOURCES = ("nvml", "preset", "file")
+
+LEGEND = """Legend:
+
+  X    = Self
+  SYS  = Path crosses PCIe and the link between NUMA nodes / sockets (e.g. QPI/UPI)
+  NODE = Path crosses PCIe and the link between PCIe host bridges inside one NUMA node
+  PHB  = Path crosses PCIe and a PCIe host bridge (usually the CPU)
+  PXB  = Path crosses several PCIe bridges, but no PCIe host bridge
+  PIX  = Path crosses at most one PCIe bridge
+  NV#  = Path over a bonded set of # NVLinks"""
+
+# Unidirectional GB/s of one PCIe lane per generation: the figures usually quoted (gen1-2 after 8b/10b encoding,
+# gen3+ rounded, ignoring the ~1.5% of 128b/130b), so gen5 x16 = 64 GB/s. Theoretical: DMA reaches ~80-90% of it.
+PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 1.0, 4: 2.0, 5: 4.0, 6: 8.0}
+
+# Unidirectional GB/s of one NVLink, keyed by NVML's nvmlNvlinkVersion_t (NVML_NVLINK_VERSION_*):
+# 1 = NVLink1 (P100, 20), 2 = 2.0 / 3 = 2.2 (V100, 25), 4 = 3.0 / 5 = 3.1 (A100: 12 links = 600 GB/s bidirectional,
+# 25 per direction), 6 = 4.0 (H100/H200: 18 links = 900 GB/s bidirectional), 7 = 5.0 (B200: 18 links = 1.8 TB/s).
+# Older drivers returned the plain major version (3 for A100, 4 for H100): those land on 25 as well.
+NVLINK_GBPS_BY_NVML_VERSION = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
+# When NVML gives no version: per-link rate by architecture (same public figures).
+NVLINK_GBPS_BY_ARCH = {"ampere": 25.0, "hopper": 25.0, "blackwell": 50.0}
+
+_NVML_ANCESTOR_LABELS = {
+    # NVML_TOPOLOGY_INTERNAL means two GPUs on one board (K80-style). For two distinct GPUs nvidia-smi shows
+    # the on-board PCIe switch, so it maps to PIX here ("X" is kept for the diagonal).
+    0: "PIX",
+    10: "PIX",  # NVML_TOPOLOGY_SINGLE
+    20: "PXB",  # NVML_TOPOLOGY_MULTIPLE
+    30: "PHB",  # NVML_TOPOLOGY_HOSTBRIDGE
+    40: "NODE",  # NVML_TOPOLOGY_NODE (= NVML_TOPOLOGY_CPU)
+    50: "SYS",  # NVML_TOPOLOGY_SYSTEM
+}
+_NVML_P2P_LABELS = {0: "OK", 1: "CNS", 2: "GNS", 3: "TNS", 4: "NS", 5: "NS", 6: "U"}
+_NVML_NVLINK_DEVICE_TYPE_GPU = 0
+_NVML_NVLINK_DEVICE_TYPE_IBMNPU = 1
+_NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
+
+_AFFINITY_RE = re.compile(r"^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$")
+
+
+class TopologyError(ValueError):
+    """A topology cannot be built or read: unknown preset, bad file or field, NVML unavailable."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Field checks shared by GPU and Topology. Messages start with the field name so that callers can prefix a path.
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_int(name: str, v: Any, *, optional: bool = False, minimum: Optional[int] = None) -> None:
+    if v is None and optional:
+        return
+    if not _is_int(v):
+        raise TopologyError(f"{name} must be an int{' or null' if optional else ''}, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise TopologyError(f"{name} must be >= {minimum}, got {v!r}")
+
+
+def _check_float(name: str, v: Any) -> Optional[float]:
+    """Accept None, int or float >= 0 and return it as a float, so that JSON and fingerprints stay stable."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        raise TopologyError(f"{name} must be a number >= 0 or null, got {v!r}")
+    return float(v)
+
+
+def _check_str(name: str, v: Any, *, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or not v:
+        raise TopologyError(f"{name} must be a non-empty string{' or null' if optional else ''}, got {v!r}")
+
+
+@dataclass
+class GPU:
+    """One GPU as NVML or a preset describes it; None = not known."""
+
+    index: int
+    """Local index (NVML's, the same as nvidia-smi's); equals the GPU's position in `Topology.gpus`."""
+    name: str
+    """Marketing name, e.g. "NVIDIA H200"."""
+    pci_bus_id: Optional[str] = None
+    """As NVML writes it: "00000000:00:06.0"."""
+    pcie_gen: Optional[int] = None
+    """PCIe generation of the link (the most device and slot allow)."""
+    pcie_width: Optional[int] = None
+    """PCIe lanes of the link."""
+    memory_bytes: Optional[int] = None
+    """Total device memory, as NVML reports it."""
+    compute_capability: Optional[Tuple[int, int]] = None
+    """CUDA compute capability (major, minor)."""
+    cpu_affinity: Optional[str] = None
+    """CPUs close to the GPU, written like nvidia-smi: "0-15" or "0-31,64-95"."""
+    nvlink_peers: Dict[int, int] = field(default_factory=dict)
+    """Index of another local GPU -> number of NVLinks straight to it."""
+    nvswitch_links: int = 0
+    """NVLinks that end at an NVSwitch."""
+    p2p: Dict[int, str] = field(default_factory=dict)
+    """Index of another local GPU -> P2P read status ("OK", "NS", ... as `nvidia-smi topo -p2p r`), when known."""
+
+    def __post_init__(self) -> None:
+        _check_int("index", self.index, minimum=0)
+        _check_str("name", self.name)
+        _check_str("pci_bus_id", self.pci_bus_id, optional=True)
+        _check_int("pcie_gen", self.pcie_gen, optional=True, minimum=1)
+        _check_int("pcie_width", self.pcie_width, optional=True, minimum=1)
+        _check_int("memory_bytes", self.memory_bytes, optional=True, minimum=0)
+        if self.compute_capability is not None:
+            cc = self.compute_capability
+            if not isinstance(cc, (tuple, list)) or len(cc) != 2 or not all(_is_int(x) and x >= 0 for x in cc):
+                raise TopologyError(f"compute_capability must be two ints [major, minor] or null, got {cc!r}")
+            self.compute_capability = (cc[0], cc[1])
+        if self.cpu_affinity is not None and (
+            not isinstance(self.cpu_affinity, str) or not _AFFINITY_RE.match(self.cpu_affinity)
+        ):
+            raise TopologyError(f"cpu_affinity must look like '0-15' or '0-31,64-95', got {self.cpu_affinity!r}")
+        if not isinstance(self.nvlink_peers, dict):
+            raise TopologyError(f"nvlink_peers must be a mapping of GPU index to link count, got {self.nvlink_peers!r}")
+        for peer, links in self.nvlink_peers.items():
+            _check_int(f"nvlink_peers key {peer!r}", peer, minimum=0)
+            _check_int(f"nvlink_peers[{peer}]", links, minimum=1)
+            if peer == self.index:
+                raise TopologyError(f"nvlink_peers names the GPU itself ({peer})")
+        _check_int("nvswitch_links", self.nvswitch_links, minimum=0)
+        if not isinstance(self.p2p, dict):
+            raise TopologyError(f"p2p must be a mapping of GPU index to status, got {self.p2p!r}")
+        for peer, status in self.p2p.items():
+            _check_int(f"p2p key {peer!r}", peer, minimum=0)
+            if status not in P2P_LABELS:
+                raise TopologyError(f"p2p[{peer}] must be one of {', '.join(P2P_LABELS)}, got {status!r}")
+
+    @property
+    def nvlink_links(self) -> int:
+        """All active NVLinks of this GPU: to peers and to NVSwitches."""
+        return self.nvswitch_links + sum(self.nvlink_peers.values())
+
+    @property
+    def pcie_gbps(self) -> Optional[float]:
+        """Theoretical unidirectional GB/s of the PCIe link (see PCIE_GBPS_PER_LANE); None when unknown."""
+        if self.pcie_gen is None or self.pcie_width is None:
+            return None
+        per_lane = PCIE_GBPS_PER_LANE.get(self.pcie_gen)
+        if per_lane is None:  # a generation newer than the table: each one has doubled the rate so far
+            per_lane = PCIE_GBPS_PER_LANE[6] * 2 ** (self.pcie_gen - 6)
+        return per_lane * self.pcie_width
+
+
+def nvlink_count(gpus: Sequence[GPU], i: int, j: int) -> int:
+    """NVLinks between GPUs at positions i and j: direct links, else (both on NVSwitches) the smaller link count.
+
+    On an NVSwitch node every pair is joined through the switches, and nvidia-smi shows NV<links per GPU>
+    (NV18 on DGX H100); this returns the same number.
+    """
+    a, b = gpus[i], gpus[j]
+    direct = a.nvlink_peers.get(b.index, 0)
+    if direct:
+        return direct
+    if a.nvswitch_links and b.nvswitch_links:
+        return min(a.nvswitch_links, b.nvswitch_links)
+    return 0
+
+
+def build_matrix(gpus: Sequence[GPU], pcie_label: Callable[[int, int], str] = lambda i, j: "SYS") -> List[List[str]]:
+    """The `nvidia-smi topo -m` matrix: "X" on the diagonal, NV<n> where NVLink joins a pair, else pcie_label(i, j)."""
+    n = len(gpus)
+    matrix = [["X"] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            links = nvlink_count(gpus, i, j)
+            label = f"NV{links}" if links else pcie_label(i, j)
+            matrix[i][j] = matrix[j][i] = label
+    return matrix
+
+
+def _arch_of(gpu: GPU) -> str:
+    cc = gpu.compute_capability
+    if cc is not None:
+        major, minor = cc
+        if major == 8 and minor in (0, 6, 7):  # 8.9 is Ada, not Ampere
+            return "ampere"
+        if major == 9:
+            return "hopper"
+        if major in (10, 11, 12):
+            return "blackwell"
+        return "unknown"
+    name = gpu.name.upper()
+    if re.search(r"\b(G?H100|H200|H800|H20|GH200)\b", name):
+        return "hopper"
+    if re.search(r"\b(A100|A800|A10G?|A30|A40|A16|A2)\b|\bRTX A[0-9]+", name):
+        return "ampere"
+    if re.search(r"\b(G?B100|G?B200|G?B300|RTX PRO [0-9]+ BLACKWELL)\b", name):
+        return "blackwell"
+    return "unknown"
+
+
+@dataclass
+class Topology:
+    """The GPUs of one node and how they are joined; all nodes of a job are assumed identical."""
+
+    name: str
+    """A label: the preset name, or "nvml-<n>x-<gpu name>"."""
+    gpus: List[GPU]
+    """The GPUs of one node, in index order."""
+    matrix: List[List[str]]
+    """Labels between local GPUs like `nvidia-smi topo -m`: "X", "NV18", "PIX", "PXB", "PHB", "NODE", "SYS"."""
+    nodes: int = 1
+    """Number of nodes in the job (NVML cannot see them: see apply_launch_env)."""
+    nvlink_gbps_per_link: Optional[float] = None
+    """Unidirectional GB/s of one NVLink (NVLink3/4: 25); None when there is no NVLink or it is unknown."""
+    inter_node_gbps: Optional[float] = None
+    """Unidirectional GB/s per node over all its NICs (8 x 400 Gb/s = 400 GB/s); None when unknown."""
+    source: str = "preset"
+    """Where the facts come from: "nvml", "preset" or "file"."""
+    notes: List[str] = field(default_factory=list)
+    """What could not be read and which assumptions were made."""
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name)
+        if not isinstance(self.gpus, list) or not self.gpus:
+            raise TopologyError(f"gpus must be a non-empty list, got {self.gpus!r}")
+        n = len(self.gpus)
+        for pos, gpu in enumerate(self.gpus):
+            if not isinstance(gpu, GPU):
+                raise TopologyError(f"gpus[{pos}] must be a GPU, got {type(gpu).__name__}")
+            if gpu.index != pos:
+                raise TopologyError(f"gpus[{pos}].index must equal its position {pos}, got {gpu.index}")
+            for key in ("nvlink_peers", "p2p"):
+                for peer in getattr(gpu, key):
+                    if peer >= n:
+                        raise TopologyError(f"gpus[{pos}].{key} names GPU {peer}, but there are only {n} GPUs")
+        self._check_matrix()
+        _check_int("nodes", self.nodes, minimum=1)
+        self.nvlink_gbps_per_link = _check_float("nvlink_gbps_per_link", self.nvlink_gbps_per_link)
+        self.inter_node_gbps = _check_float("inter_node_gbps", self.inter_node_gbps)
+        if self.source not in SOURCES:
+            raise TopologyError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not isinstance(self.notes, list) or not all(isinstance(s, str) for s in self.notes):
+            raise TopologyError(f"notes must be a list of strings, got {self.notes!r}")
+
+    def _check_matrix(self) -> None:
+        n = len(self.gpus)
+        m = self.matrix
+        if not isinstance(m, list) or len(m) != n or not all(isinstance(r, list) and len(r) == n for r in m):
+            raise TopologyError(f"matrix must be {n} lists of {n} labels (one per GPU), got {m!r}")
+        for i in range(n):
+            for j in range(n):
+                label = m[i][j]
+                where = f"matrix[{i}][{j}]"
+                if not isinstance(label, str) or not _LABEL_RE.match(label):
+                    raise TopologyError(f"{where} must be X, NV<n>, PIX, PXB, PHB, NODE or SYS, got {label!r}")
+                if (label == "X") != (i == j):
+                    raise TopologyError(f"{where} is {label!r}: 'X' belongs on the diagonal and only there")
+                if m[j][i] != label:
+                    raise TopologyError(f"{where} is {label!r} but matrix[{j}][{i}] is {m[j][i]!r}: must be symmetric")
+                if i == j:
+                    continue
+                links = nvlink_count(self.gpus, i, j)
+                nv = _NV_RE.match(label)
+                if nv and int(nv.group(1)) != links:
+                    raise TopologyError(
+                        f"{where} is {label!r} but the GPUs say {links} NVLinks between GPU {i} and GPU {j} "
+                        "(see their nvlink_peers / nvswitch_links)"
+                    )
+                if not nv and links:
+                    raise TopologyError(f"{where} is {label!r} but GPU {i} and GPU {j} are joined by {links} NVLinks")
+
+    # ---- derived facts ----------------------------------------------------------------------------------------
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def world_size(self) -> int:
+        """One rank per GPU on every node."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def has_nvswitch(self) -> bool:
+        return any(g.nvswitch_links > 0 for g in self.gpus)
+
+    @property
+    def arch(self) -> str:
+        """The GPU generation: "hopper", "ampere", "blackwell" or "unknown".
+
+        From the compute capability, else the name; "unknown" when the GPUs disagree or are of another generation
+        (Ada 8.9, Volta, Turing).
+        """
+        archs = {_arch_of(g) for g in self.gpus}
+        return archs.pop() if len(archs) == 1 else "unknown"
+
+    @property
+    def nvlink_links_per_gpu(self) -> int:
+        """The smallest number of active NVLinks of any GPU (0 when some GPU has none)."""
+        return min(g.nvlink_links for g in self.gpus)
+
+    @property
+    def nvlink_all_pairs(self) -> bool:
+        """Whether NVLink joins every pair of local GPUs (true for a single GPU that has NVLinks)."""
+        if self.gpus_per_node == 1:
+            return self.nvlink_links_per_gpu > 0
+        n = self.gpus_per_node
+        return all(self.matrix[i][j].startswith("NV") for i in range(n) for j in range(n) if i != j)
+
+    @property
+    def pcie_gbps(self) -> Optional[float]:
+        """Slowest GPU's theoretical unidirectional PCIe GB/s (gen5 x16 = 64); None when no GPU's link is known."""
+        rates = [g.pcie_gbps for g in self.gpus if g.pcie_gbps is not None]
+        return min(rates) if rates else None
+
+    @property
+    def intra_node_fabric(self) -> Optional[str]:
+        """What a ring inside the node runs over: "nvlink" (every pair joined by NVLink), "pcie", or None (unknown)."""
+        if self.nvlink_all_pairs and self.nvlink_gbps_per_link is not None:
+            return "nvlink"
+        return "pcie" if self.pcie_gbps is not None else None
+
+    @property
+    def intra_node_gbps(self) -> Optional[float]:
+        """Unidirectional GB/s per GPU available to a ring inside the node, theoretical.
+
+        NVLink, when it joins every pair: links per GPU x rate per link (DGX H100: 18 x 25 = 450; through NVSwitch
+        each GPU can drive all its links whatever the ring order). Otherwise PCIe: gen/width rate of the slowest
+        GPU (gen5 x16 = 64), an upper bound: a ring crossing sockets (SYS) or without P2P goes slower.
+        """
+        if self.intra_node_fabric == "nvlink":
+            return self.nvlink_links_per_gpu * self.nvlink_gbps_per_link
+        return self.pcie_gbps
+
+    # ---- serialisation ----------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (GPU-index keys as strings, compute capability as a list)."""
+
+        def gpu_dict(g: GPU) -> dict:
+            d = dataclasses.asdict(g)
+            d["compute_capability"] = list(g.compute_capability) if g.compute_capability is not None else None
+            d["nvlink_peers"] = {str(k): v for k, v in sorted(g.nvlink_peers.items())}
+            d["p2p"] = {str(k): v for k, v in sorted(g.p2p.items())}
+            return d
+
+        return {
+            "format": FORMAT_VERSION,
+            "name": self.name,
+            "nodes": self.nodes,
+            "nvlink_gbps_per_link": self.nvlink_gbps_per_link,
+            "inter_node_gbps": self.inter_node_gbps,
+            "source": self.source,
+            "notes": list(self.notes),
+            "gpus": [gpu_dict(g) for g in self.gpus],
+            "matrix": [list(row) for row in self.matrix],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Topology:
+        """Build from `to_dict()` output; TopologyError naming the bad field on anything missing or malformed."""
+        if not isinstance(d, Mapping):
+            raise TopologyError(f"a topology must be a JSON object, got {type(d).__name__}")
+        fmt = d.get("format", FORMAT_VERSION)
+        if fmt != FORMAT_VERSION:
+            raise TopologyError(f"format must be {FORMAT_VERSION}, got {fmt!r}")
+        known = {f.name for f in dataclasses.fields(cls)} | {"format"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TopologyError(f"unknown field(s) {', '.join(map(repr, unknown))}")
+        missing = [k for k in ("name", "gpus", "matrix") if k not in d]
+        if missing:
+            raise TopologyError(f"missing field(s) {', '.join(map(repr, missing))}")
+        gpus = d["gpus"]
+        if not isinstance(gpus, list):
+            raise TopologyError(f"gpus must be a list, got {type(gpus).__name__}")
+        kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k not in ("format", "gpus")}
+        kwargs["gpus"] = [_gpu_from_dict(g, pos) for pos, g in enumerate(gpus)]
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: Union[str, os.PathLike[str]]) -> None:
+        """Write `to_json()` to path; `Topology.load` reads it back (as source "file")."""
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike[str]]) -> Topology:
+        """Read a file written by `save`; TopologyError naming the file and the problem if it is unreadable."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise TopologyError(f"{path}: cannot read topology file: {e.strerror or e}") from e
+        try:
+            d = json.loads(text)
+        except ValueError as e:  # JSONDecodeError, or bad UTF-8
+            raise TopologyError(f"{path}: not valid JSON: {e}") from e
+        try:
+            topo = cls.from_dict(d)
+        except TopologyError as e:
+            raise TopologyError(f"{path}: {e}") from e
+        return dataclasses.replace(topo, source="file")
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the hardware facts in canonical JSON: GPUs, matrix, nodes and link rates.
+
+        Leaves out `name`, `source` and `notes`, so that the same machine read from NVML, a preset or a file gives
+        the same fingerprint (a key for cached tuning results).
+        """
+        d = self.to_dict()
+        for key in ("format", "name", "source", "notes"):
+            del d[key]
+        canonical = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+    def render_matrix(self) -> str:
+        """The matrix as `nvidia-smi topo -m` lays it out (GPU rows and columns, CPU affinity), then the legend."""
+        heads = [f"GPU{g.index}" for g in self.gpus]
+        width = max(len(s) for s in heads + [c for row in self.matrix for c in row]) + 2
+        lines = [" " * width + "".join(h.ljust(width) for h in heads) + "CPU Affinity"]
+        for gpu, head, row in zip(self.gpus, heads, self.matrix):
+            cells = "".join((" X" if c == "X" else c).ljust(width) for c in row)
+            lines.append(head.ljust(width) + cells + (gpu.cpu_affinity or "N/A"))
+        return "\n".join(lines) + "\n\n" + LEGEND + "\n"
+
+
+def _gpu_from_dict(g: Any, pos: int) -> GPU:
+    where = f"gpus[{pos}]"
+    if not isinstance(g, Mapping):
+        raise TopologyError(f"{where} must be an object, got {type(g).__name__}")
+    known = {f.name for f in dataclasses.fields(GPU)}
+    unknown = sorted(set(g) - known)
+    if unknown:
+        raise TopologyError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+    missing = [k for k in ("index", "name") if k not in g]
+    if missing:
+        raise TopologyError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
+    kwargs = dict(g)
+    for key in ("nvlink_peers", "p2p"):
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        if not isinstance(value, Mapping):
+            raise TopologyError(f"{where}.{key} must be an object keyed by GPU index, got {value!r}")
+        converted = {}
+        for k, v in value.items():
+            try:
+                converted[int(k)] = v
+            except (TypeError, ValueError):
+                raise TopologyError(f"{where}.{key} key {k!r} is not a GPU index") from None
+        kwargs[key] = converted
+    cc = kwargs.get("compute_capability")
+    if isinstance(cc, list):
+        kwargs["compute_capability"] = tuple(cc)
+    try:
+        return GPU(**kwargs)
+    except TopologyError as e:
+        raise TopologyError(f"{where}.{e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def format_cpu_ranges(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8", as nvidia-smi writes CPU affinity."""
+    out: List[str] = []
+    ordered = sorted(set(cpus))
+    k = 0
+    while k < len(ordered):
+        start = end = ordered[k]
+        while k + 1 < len(ordered) and ordered[k + 1] == end + 1:
+            k += 1
+            end = ordered[k]
+        out.append(str(start) if start == end else f"{start}-{end}")
+        k += 1
+    return ",".join(out)
+
+
+def cpu_affinity_from_words(words: Sequence[int], bits_per_word: int = 64) -> Optional[str]:
+    """NVML's affinity bitmask (a list of 64-bit words, CPU 0 = bit 0 of word 0) -> "0-15"; None when empty."""
+    cpus = [w * bits_per_word + b for w, word in enumerate(words) for b in range(bits_per_word) if int(word) >> b & 1]
+    return format_cpu_ranges(cpus) or None
+
+
+def _text(v: Any) -> Optional[str]:
+    """pynvml returns str in new versions and bytes in old ones."""
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if isinstance(v, str):
+        v = v.strip("\x00").strip()
+        return v or None
+    return None
+
+
+def _bus_key(bus_id: Optional[str]) -> Optional[Tuple[int, int, int, int]]:
+    """Bus id ("00000000:18:00.0", "0000:18:00.0") -> (domain, bus, device, function): compares any spelling."""
+    if not bus_id:
+        return None
+    m = re.match(r"^\s*([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)\s*$", bus_id)
+    if not m:
+        return None
+    return tuple(int(x, 16) for x in m.groups())  # type: ignore[return-value]
+
+
+def _err(e: BaseException) -> str:
+    try:
+        msg = str(e)
+    except Exception:  # pynvml's __str__ may itself call into NVML
+        msg = ""
+    name = type(e).__name__
+    return f"{name}({msg})" if msg and msg != name else name
+
+
+def _ranges(nums: Sequence[int]) -> str:
+    return format_cpu_ranges(nums)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NVML
+
+
+class _Failed:
+    """Marks a call that raised or does not exist (None can be a real answer)."""
+
+
+_FAILED = _Failed()
+
+
+class _Probe:
+    """Calls NVML functions one at a time; a failure is recorded for the notes and the caller goes on."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        # (function, error) -> contexts: (gpu,), (gpu, link) or (gpu, other gpu)
+        self.failures: Dict[Tuple[str, str], List[Tuple[int, ...]]] = {}
+
+    def __call__(self, fn_name: str, *args: Any, ctx: Tuple[int, ...] = ()) -> Any:
+        fn = getattr(self.nvml, fn_name, None)
+        if fn is None:
+            self.failures.setdefault((fn_name, "missing from this NVML binding"), []).append(ctx)
+            return _FAILED
+        try:
+            return fn(*args)
+        except Exception as e:  # NVMLError_*, ctypes errors, anything: keep going
+            self.failures.setdefault((fn_name, _err(e)), []).append(ctx)
+            return _FAILED
+
+    def notes(self) -> List[str]:
+        out = []
+        for (fn, err), ctxs in self.failures.items():
+            out.append(f"{fn}: {err}{_describe_contexts(fn, ctxs)}")
+        return out
+
+
+def _describe_contexts(fn: str, ctxs: List[Tuple[int, ...]]) -> str:
+    ctxs = [c for c in ctxs if c]
+    if not ctxs:
+        return ""
+    if len(ctxs[0]) == 1:
+        gpus = sorted({c[0] for c in ctxs})
+        return f" (GPU{'s' if len(gpus) > 1 else ''} {_ranges(gpus)})"
+    if "NvLink" in fn:
+        by_gpu: Dict[int, List[int]] = {}
+        for gpu, link in ctxs:
+            by_gpu.setdefault(gpu, []).append(link)
+        link_sets = {tuple(sorted(v)) for v in by_gpu.values()}
+        if len(link_sets) == 1:
+            plural = "s" if len(by_gpu) > 1 else ""
+            return f" (GPU{plural} {_ranges(list(by_gpu))}, links {_ranges(list(link_sets.pop()))})"
+        return " (" + "; ".join(f"GPU {g} links {_ranges(v)}" for g, v in sorted(by_gpu.items())) + ")"
+    return f" ({len(ctxs)} GPU pair{'s' if len(ctxs) > 1 else ''})"
+
+
+def _nvml_const(nvml: Any, name: str, default: int) -> int:
+    value = getattr(nvml, name, default)
+    if isinstance(value, tuple):  # nvidia-ml-py 13 spells NVML_P2P_CAPS_INDEX_READ as "0," -> (0,)
+        value = value[0] if value else default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def from_nvml(nvml: Any = None) -> Topology:
+    """Read this node's GPUs and links through NVML (a module with pynvml's API; default: import pynvml).
+
+    Any single call may raise (NotSupported in VMs, FunctionNotFound on old drivers) or be missing: what answers
+    is kept, the rest is listed in `notes`. Raises TopologyError("NVML unavailable: ...") only when NVML cannot
+    start or count the GPUs.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml  # type: ignore[no-redef]
+        except ImportError as e:
+            raise TopologyError(f"NVML unavailable: cannot import pynvml ({e}); pip install nvidia-ml-py") from e
+    try:
+        nvml.nvmlInit()
+    except Exception as e:
+        raise TopologyError(f"NVML unavailable: nvmlInit failed: {_err(e)}") from e
+    try:
+        return _read_nvml(nvml)
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _read_nvml(nvml: Any) -> Topology:
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception as e:
+        raise TopologyError(f"NVML unavailable: nvmlDeviceGetCount failed: {_err(e)}") from e
+    if count < 1:
+        raise TopologyError("NVML unavailable: it reports no GPUs")
+    probe = _Probe(nvml)
+    notes: List[str] = []
+
+    handles: List[Any] = []
+    for i in range(count):
+        h = probe("nvmlDeviceGetHandleByIndex", i, ctx=(i,))
+        handles.append(None if h is _FAILED else h)
+
+    fields_by_gpu: List[Dict[str, Any]] = []
+    for i, h in enumerate(handles):
+        f: Dict[str, Any] = {"index": i, "name": f"GPU {i}"}
+        fields_by_gpu.append(f)
+        if h is None:
+            continue
+        name = _text(probe("nvmlDeviceGetName", h, ctx=(i,)))
+        if name:
+            f["name"] = name
+        pci = probe("nvmlDeviceGetPciInfo", h, ctx=(i,))
+        if pci is not _FAILED:
+            f["pci_bus_id"] = _text(getattr(pci, "busId", None)) or _text(getattr(pci, "busIdLegacy", None))
+        for key, what in (("pcie_gen", "Generation"), ("pcie_width", "Width")):
+            # Max = the most device and slot allow; Curr drops when idle (power saving), so it is the fallback.
+            value = probe(f"nvmlDeviceGetMaxPcieLink{what}", h, ctx=(i,))
+            if value is _FAILED or not value:
+                value = probe(f"nvmlDeviceGetCurrPcieLink{what}", h, ctx=(i,))
+            if value is not _FAILED and _is_int(value) and value > 0:
+                f[key] = value
+        mem = probe("nvmlDeviceGetMemoryInfo", h, ctx=(i,))
+        if mem is not _FAILED and _is_int(getattr(mem, "total", None)):
+            f["memory_bytes"] = mem.total
+        cc = probe("nvmlDeviceGetCudaComputeCapability", h, ctx=(i,))
+        if cc is not _FAILED:
+            try:
+                f["compute_capability"] = (int(cc[0]), int(cc[1]))
+            except (TypeError, ValueError, IndexError):
+                notes.append(f"GPU {i}: unreadable compute capability {cc!r}")
+        words = max(16, -(-(os.cpu_count() or 1) // 64))  # 64-bit words; 16 covers 1024 CPUs
+        aff = probe("nvmlDeviceGetCpuAffinity", h, words, ctx=(i,))
+        if aff is not _FAILED:
+            try:
+                f["cpu_affinity"] = cpu_affinity_from_words(list(aff))
+            except (TypeError, ValueError):
+                notes.append(f"GPU {i}: unreadable CPU affinity {aff!r}")
+
+    bus_to_index = {}
+    for f in fields_by_gpu:
+        key = _bus_key(f.get("pci_bus_id"))
+        if key is not None:
+            bus_to_index[key] = f["index"]
+
+    # NVLink: each link is on or off; an active link ends at another GPU (by PCI bus id) or at an NVSwitch.
+    max_links = _nvml_const(nvml, "NVML_NVLINK_MAX_LINKS", 18)
+    switch_type = _nvml_const(nvml, "NVML_NVLINK_DEVICE_TYPE_SWITCH", _NVML_NVLINK_DEVICE_TYPE_SWITCH)
+    gpu_type = _nvml_const(nvml, "NVML_NVLINK_DEVICE_TYPE_GPU", _NVML_NVLINK_DEVICE_TYPE_GPU)
+    versions: List[int] = []
+    assumed_switch = unknown_remote = 0
+    for i, h in enumerate(handles):
+        f = fields_by_gpu[i]
+        f["nvlink_peers"], f["nvswitch_links"] = {}, 0
+        if h is None:
+            continue
+        version_read = False
+        for link in range(max_links):
+            state = probe("nvmlDeviceGetNvLinkState", h, link, ctx=(i, link))
+            if state is _FAILED or not state:
+                continue
+            if not version_read:
+                version_read = True
+                v = probe("nvmlDeviceGetNvLinkVersion", h, link, ctx=(i, link))
+                if v is not _FAILED and _is_int(v):
+                    versions.append(v)
+            rtype = probe("nvmlDeviceGetNvLinkRemoteDeviceType", h, link, ctx=(i, link))
+            if rtype is not _FAILED and rtype == switch_type:
+                f["nvswitch_links"] += 1
+                continue
+            remote = probe("nvmlDeviceGetNvLinkRemotePciInfo", h, link, ctx=(i, link))
+            rkey = _bus_key(_text(getattr(remote, "busId", None))) if remote is not _FAILED else None
+            peer = bus_to_index.get(rkey) if rkey is not None else None
+            if peer is not None and peer != i:
+                f["nvlink_peers"][peer] = f["nvlink_peers"].get(peer, 0) + 1
+            elif rtype is not _FAILED and rtype != gpu_type:
+                pass  # e.g. an IBM NPU (POWER9 CPU): not a path between GPUs
+            elif rkey is not None and rtype is _FAILED:
+                f["nvswitch_links"] += 1  # the far end answers but is none of our GPUs: an NVSwitch
+                assumed_switch += 1
+            else:
+                unknown_remote += 1
+    if assumed_switch:
+        notes.append(f"{assumed_switch} active NVLinks end at no local GPU: counted as NVSwitch links")
+    if unknown_remote:
+        notes.append(f"{unknown_remote} active NVLinks with an unknown far end: ignored")
+
+    # Links are counted from both ends; where the two ends disagree (a call failed on one), keep the larger count.
+    for i, f in enumerate(fields_by_gpu):
+        for peer, links in list(f["nvlink_peers"].items()):
+            other = fields_by_gpu[peer]["nvlink_peers"]
+            if other.get(i, 0) != links:
+                both = max(links, other.get(i, 0))
+                notes.append(f"GPU {i} and GPU {peer} disagree on their NVLink count: using {both}")
+                f["nvlink_peers"][peer] = other[i] = both
+
+    # P2P read status for every ordered pair.
+    p2p_index = _nvml_const(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
+    for i, hi in enumerate(handles):
+        f = fields_by_gpu[i]
+        f["p2p"] = {}
+        for j, hj in enumerate(handles):
+            if i == j or hi is None or hj is None:
+                continue
+            status = probe("nvmlDeviceGetP2PStatus", hi, hj, p2p_index, ctx=(i, j))
+            if status is not _FAILED:
+                f["p2p"][j] = _NVML_P2P_LABELS.get(status, "U")
+
+    gpus = [GPU(**f) for f in fields_by_gpu]
+
+    # PCIe path for pairs that NVLink does not join.
+    assumed_sys = 0
+
+    def pcie_label(i: int, j: int) -> str:
+        nonlocal assumed_sys
+        level = _FAILED
+        if handles[i] is not None and handles[j] is not None:
+            level = probe("nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j], ctx=(i, j))
+        label = _NVML_ANCESTOR_LABELS.get(level) if _is_int(level) else None
+        if label is None:
+            assumed_sys += 1
+            return "SYS"
+        return label
+
+    matrix = build_matrix(gpus, pcie_label)
+    if assumed_sys:
+        notes.append(f"PCIe path unknown for {assumed_sys} GPU pair(s): assumed SYS (the slowest)")
+
+    rate: Optional[float] = None
+    if any(g.nvlink_links for g in gpus):
+        rates = [NVLINK_GBPS_BY_NVML_VERSION[v] for v in versions if v in NVLINK_GBPS_BY_NVML_VERSION]
+        if rates:
+            rate = min(rates)
+        else:
+            arch = {_arch_of(g) for g in gpus}
+            rate = NVLINK_GBPS_BY_ARCH.get(arch.pop()) if len(arch) == 1 else None
+            notes.append(
+                f"NVLink version unknown: assumed {rate} GB/s per link from the GPU architecture"
+                if rate is not None
+                else "NVLink version unknown and the architecture gives no rate: nvlink_gbps_per_link unknown"
+            )
+
+    notes = probe.notes() + notes
+    notes.append("NVML sees no NICs or other nodes: nodes=1 and inter_node_gbps unknown (see apply_launch_env)")
+    slug = re.sub(r"[^a-z0-9]+", "-", gpus[0].name.lower()).strip("-") or "gpu"
+    return Topology(
+        name=f"nvml-{count}x-{slug}",
+        gpus=gpus,
+        matrix=matrix,
+        nodes=1,
+        nvlink_gbps_per_link=rate,
+        inter_node_gbps=None,
+        source="nvml",
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets, loading, launch environment
+
+
+def load_preset(name: str) -> Topology:
+    """A fresh copy of a described machine; TopologyError listing the valid names if there is none by that name."""
+    from ddp_triton.presets import load_preset as _load
+
+    return _load(name)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: `from ddp_triton.topology import PRESETS` without an import cycle
+    if name == "PRESETS":
+        from ddp_triton.presets import PRESETS
+
+        return PRESETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_topology(spec: Union[str, os.PathLike[str], None] = None, *, nvml: Any = None) -> Topology:
+    """spec: a preset name, the path of a JSON file, or None / "nvml" to read this machine through NVML."""
+    from ddp_triton.presets import PRESETS
+
+    names = ", ".join(sorted(PRESETS))
+    if spec is None or spec == "nvml":
+        try:
+            return from_nvml(nvml)
+        except TopologyError as e:
+            raise TopologyError(
+                f"{e}. Cannot read the GPU topology of this machine: pass --topology with a preset ({names}) "
+                "or the path of a JSON file written by Topology.save"
+            ) from e
+    spec = os.fspath(spec)
+    if spec in PRESETS:
+        return load_preset(spec)
+    if os.path.exists(spec) or spec.endswith(".json") or os.sep in spec:
+        return Topology.load(spec)
+    raise TopologyError(f"unknown topology {spec!r}: no preset of that name ({names}) and no such file")
+
+
+def _env_int(env: Mapping[str, str], key: str) -> Optional[int]:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{key}={raw!r} must be >= 1")
+    return value
+
+
+def apply_launch_env(
+    topo: Topology,
+    *,
+    nodes: Optional[int] = None,
+    world_size: Optional[int] = None,
+    inter_node_gbps: Optional[float] = None,
+    env: Mapping[str, str] = os.environ,
+) -> Topology:
+    """The topology of the job at hand: node count and GPUs per node as the launcher set them.
+
+    nodes: the argument, else WORLD_SIZE / LOCAL_WORLD_SIZE from env (torchrun sets both), else topo.nodes.
+    world_size: the argument, else WORLD_SIZE, else nodes x GPUs per node. It must equal nodes x GPUs per node,
+    or be smaller, with the same number of ranks on every node: then only that many GPUs per node are kept
+    (those of CUDA_VISIBLE_DEVICES when it names enough of them by index, else the first ones) and renumbered
+    0..k-1 as CUDA sees them. Returns a new Topology; ValueError on numbers that do not fit.
+    """
+    env_ws = _env_int(env, "WORLD_SIZE")
+    env_lws = _env_int(env, "LOCAL_WORLD_SIZE")
+    applied: List[str] = []
+
+    if nodes is not None:
+        if not _is_int(nodes) or nodes < 1:
+            raise ValueError(f"nodes must be an int >= 1, got {nodes!r}")
+        applied.append(f"nodes={nodes} (argument)")
+    elif env_ws is not None and env_lws is not None:
+        if env_ws % env_lws:
+            raise ValueError(
+                f"WORLD_SIZE={env_ws} is not a multiple of LOCAL_WORLD_SIZE={env_lws}: nodes must run the same "
+                "number of ranks"
+            )
+        nodes = env_ws // env_lws
+        applied.append(f"nodes={nodes} from WORLD_SIZE={env_ws} / LOCAL_WORLD_SIZE={env_lws}")
+    else:
+        nodes = topo.nodes
+
+    if world_size is not None:
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    elif env_ws is not None:
+        world_size = env_ws
+    else:
+        world_size = nodes * topo.gpus_per_node
+
+    have = topo.gpus_per_node
+    if world_size % nodes:
+        raise ValueError(f"world size {world_size} does not split evenly over {nodes} node(s)")
+    per_node = world_size // nodes
+    if per_node > have:
+        raise ValueError(
+            f"world size {world_size} over {nodes} node(s) needs {per_node} GPUs per node, but topology "
+            f"{topo.name!r} has {have}; pass nodes= (or set LOCAL_WORLD_SIZE) to match the launch"
+        )
+    if env_lws is not None and env_lws != per_node:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={env_lws} disagrees with world size {world_size} over {nodes} node(s) "
+            f"({per_node} ranks per node)"
+        )
+
+    gpus = copy.deepcopy(topo.gpus)
+    matrix = [list(row) for row in topo.matrix]
+    if per_node < have:
+        keep = list(range(per_node))
+        visible = _visible_indices(env.get("CUDA_VISIBLE_DEVICES"), have)
+        if visible is not None and len(visible) >= per_node:
+            keep = visible[:per_node]
+            applied.append(f"GPUs {keep} kept (CUDA_VISIBLE_DEVICES), renumbered 0-{per_node - 1}")
+        else:
+            applied.append(f"first {per_node} of {have} GPUs kept ({per_node} ranks per node)")
+        gpus, matrix = _select_gpus(gpus, matrix, keep)
+
+    rate = topo.inter_node_gbps
+    if inter_node_gbps is not None:
+        rate = _check_float("inter_node_gbps", inter_node_gbps)
+        applied.append(f"inter_node_gbps={rate} (argument)")
+    notes = list(topo.notes)
+    if applied:
+        notes.append("launch: " + "; ".join(applied))
+    if nodes > 1 and rate is None:
+        notes.append(f"{nodes} nodes but inter-node bandwidth unknown: pass inter_node_gbps")
+    return dataclasses.replace(topo, gpus=gpus, matrix=matrix, nodes=nodes, inter_node_gbps=rate, notes=notes)
+
+
+def _visible_indices(raw: Optional[str], have: int) -> Optional[List[int]]:
+    """CUDA_VISIBLE_DEVICES as a list of distinct GPU indices < have; None when unset or not plain indices (UUIDs)."""
+    if not raw:
+        return None
+    try:
+        idx = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        return None
+    if not idx or len(set(idx)) != len(idx) or any(i < 0 or i >= have for i in idx):
+        return None
+    return idx
+
+
+def _select_gpus(gpus: List[GPU], matrix: List[List[str]], keep: List[int]) -> Tuple[List[GPU], List[List[str]]]:
+    new_index = {old: new for new, old in enumerate(keep)}
+    out = []
+    for old in keep:
+        g = gpus[old]
+        g.index = new_index[old]
+        g.nvlink_peers = {new_index[p]: n for p, n in g.nvlink_peers.items() if p in new_index}
+        g.p2p = {new_index[p]: s for p, s in g.p2p.items() if p in new_index}
+        out.append(g)
+    return out, [[matrix[a][b] for b in keep] for a in keep]
