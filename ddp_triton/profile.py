@@ -1,0 +1,526 @@
+"""The tuning profile: which NCCL algorithm each all-reduce size should use, and the DDP bucket size.
+
+A profile is what ``ddp-triton autotune`` writes and what the hook's state reads. It is JSON only (never pickle),
+validated on load, and cached per topology under the user's cache directory so the hook finds it without flags.
+
+Schema, version 1 (``SCHEMA_VERSION``)::
+
+    {
+      "schema_version": 1,
+      "source": "model" | "measured" | "e2e",   # cost model, timed all-reduces, or timed training steps
+      "world_size": 16, "nodes": 2,
+      "comm_dtype": "bfloat16",                 # dtype the hook all-reduces in
+      "bucket_cap_mb": 64.0,                    # DDP bucket_cap_mb to construct DDP with (see ddp_kwargs)
+      "bucket_reason": "...",                   # why that bucket size
+      "sweep": [                                # every size x algorithm evaluated
+        {"bytes": 1024, "algorithm": "ring", "time_us": 15.0, "algbw_gbps": 0.07, "busbw_gbps": 0.13,
+         "dtype": "bfloat16", "protocol": "LL"}, ...],        # dtype and protocol optional (null if unknown)
+      "table": [                                # chosen ranges, contiguous from 0; max_bytes inclusive,
+        {"min_bytes": 0, "max_bytes": 1482910, "algorithm": "tree", "protocol": "LL128"},   # null = no bound
+        {"min_bytes": 1482911, "max_bytes": null, "algorithm": "nvls_tree", "protocol": "Simple"}],
+      "topology_fingerprint": "...", "topology_name": "dgx-h100",
+      "backend": "nccl" | "gloo" | "model",
+      "versions": {"ddp_triton": "0.1.0", "torch": "...", "nccl": "2.21.5", ...},
+      "created": "2026-11-30T12:00:00+00:00",
+      "e2e": null | {...},                      # e2e mode: candidates and their step times
+      "notes": ["..."]
+    }
+
+Algorithm names are ``ddp_triton.cost_model.ALGORITHMS`` (ring, tree, nvls, nvls_tree).
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .cost_model import ALGORITHMS, PROTOCOLS, normalize_dtype
+from .log import warn_once
+
+SCHEMA_VERSION = 1
+SOURCES = ("model", "measured", "e2e")
+BACKENDS = ("nccl", "gloo", "model")
+MiB = 1 << 20
+
+#: Default fraction of the best busbw a bucket's all-reduce must reach (the issue's 90%).
+DEFAULT_FRACTION = 0.9
+#: Default least number of buckets a model is split into, so the all-reduce of early buckets overlaps the rest of
+#: backward (DDP launches a bucket's all-reduce when its last gradient is ready; one bucket would overlap nothing).
+DEFAULT_MIN_BUCKETS = 4
+#: Two algorithms within this fraction of each other at a size count as tied; the table then keeps the algorithm of
+#: the previous size, which avoids flapping between near-equal algorithms on measurement noise (and extra groups).
+DEFAULT_TIE_TOLERANCE = 0.03
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used: unreadable, not JSON, invalid, another schema version, or a mismatch."""
+
+    def __init__(self, message: str, path: Optional[PathLike] = None):
+        self.path = None if path is None else str(path)
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_algorithm(alg: Any, where: str) -> None:
+    if alg not in ALGORITHMS:
+        raise ValueError(f"{where}: unknown algorithm {alg!r}; known: {', '.join(ALGORITHMS)}")
+
+
+def _check_protocol(proto: Any, where: str) -> None:
+    if proto is not None and proto not in PROTOCOLS:
+        raise ValueError(f"{where}: unknown protocol {proto!r}; known: {', '.join(PROTOCOLS)}")
+
+
+def _finite_nonneg(x: Any, name: str, where: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{where}: {name} must be a finite number >= 0, got {x!r}")
+    return float(x)
+
+
+def _int(x: Any, name: str, where: str, minimum: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
+        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {x!r}")
+    return x
+
+
+@dataclass
+class SweepRow:
+    """One timed (or modelled) all-reduce: size, algorithm and what it cost."""
+
+    nbytes: int
+    """Message size in bytes (``bytes`` in JSON)."""
+    algorithm: str
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    dtype: Optional[str] = None
+    """Element type of the message; None means the profile's comm_dtype."""
+    protocol: Optional[str] = None
+    """NCCL protocol the model predicts; None when measured (NCCL chose)."""
+
+    def __post_init__(self) -> None:
+        where = "sweep row"
+        self.nbytes = _int(self.nbytes, "bytes", where, 1)
+        _check_algorithm(self.algorithm, where)
+        self.time_us = _finite_nonneg(self.time_us, "time_us", where)
+        self.algbw_gbps = _finite_nonneg(self.algbw_gbps, "algbw_gbps", where)
+        self.busbw_gbps = _finite_nonneg(self.busbw_gbps, "busbw_gbps", where)
+        if self.dtype is not None:
+            self.dtype = normalize_dtype(self.dtype)
+        _check_protocol(self.protocol, where)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"bytes": self.nbytes, "algorithm": self.algorithm, "time_us": self.time_us,
+                "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps, "dtype": self.dtype,
+                "protocol": self.protocol}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SweepRow":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sweep row must be an object, got {d!r}")
+        return cls(nbytes=d["bytes"], algorithm=d["algorithm"], time_us=d["time_us"], algbw_gbps=d["algbw_gbps"],
+                   busbw_gbps=d["busbw_gbps"], dtype=d.get("dtype"), protocol=d.get("protocol"))
+
+
+@dataclass
+class TableEntry:
+    """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algorithm``."""
+
+    min_bytes: int
+    max_bytes: Optional[int]
+    algorithm: str
+    protocol: Optional[str] = None
+    """The protocol the model expects NCCL to pick (for the tuner CSV); None when unknown."""
+
+    def __post_init__(self) -> None:
+        where = "table entry"
+        self.min_bytes = _int(self.min_bytes, "min_bytes", where, 0)
+        if self.max_bytes is not None:
+            self.max_bytes = _int(self.max_bytes, "max_bytes", where, self.min_bytes)
+        _check_algorithm(self.algorithm, where)
+        _check_protocol(self.protocol, where)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "algorithm": self.algorithm,
+                "protocol": self.protocol}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TableEntry":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"table entry must be an object, got {d!r}")
+        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], algorithm=d["algorithm"],
+                   protocol=d.get("protocol"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The profile
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+@dataclass
+class Profile:
+    """A tuning result: per-size algorithm table, the sweep behind it, and the DDP bucket size."""
+
+    source: str
+    """``model`` (cost model), ``measured`` (timed all-reduces) or ``e2e`` (timed training steps)."""
+    world_size: int
+    nodes: int
+    comm_dtype: str
+    """dtype the hook all-reduces in (``bfloat16``, ``float32``...)."""
+    bucket_cap_mb: float
+    """DDP ``bucket_cap_mb`` (MiB of gradients per bucket)."""
+    table: List[TableEntry]
+    """Chosen algorithm per size range, contiguous from 0 bytes, last range unbounded."""
+    sweep: List[SweepRow] = field(default_factory=list)
+    """Every (size, algorithm) evaluated."""
+    bucket_reason: str = ""
+    """Why ``bucket_cap_mb`` has its value."""
+    topology_fingerprint: str = ""
+    topology_name: str = ""
+    backend: str = "nccl"
+    """Backend measured on (``nccl``, ``gloo``), or ``model``."""
+    versions: Dict[str, str] = field(default_factory=dict)
+    created: str = field(default_factory=now_iso)
+    e2e: Optional[Dict[str, Any]] = None
+    """e2e mode: the candidates timed and the winner."""
+    notes: List[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version!r} is not {SCHEMA_VERSION}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _int(self.world_size, "world_size", "profile", 1)
+        _int(self.nodes, "nodes", "profile", 1)
+        if self.world_size % self.nodes:
+            raise ValueError(f"world_size {self.world_size} is not a multiple of nodes {self.nodes}")
+        self.comm_dtype = normalize_dtype(self.comm_dtype)
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or not math.isfinite(self.bucket_cap_mb) or self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb!r}")
+        self.bucket_cap_mb = float(self.bucket_cap_mb)
+        self.sweep = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in self.sweep]
+        self.table = [t if isinstance(t, TableEntry) else TableEntry.from_dict(t) for t in self.table]
+        if not self.table:
+            raise ValueError("table must have at least one entry")
+        if self.table[0].min_bytes != 0:
+            raise ValueError(f"table must start at 0 bytes, starts at {self.table[0].min_bytes}")
+        for prev, nxt in zip(self.table, self.table[1:]):
+            if prev.max_bytes is None or nxt.min_bytes != prev.max_bytes + 1:
+                raise ValueError(f"table ranges must be contiguous: {prev.to_dict()} then {nxt.to_dict()}")
+        if self.table[-1].max_bytes is not None:
+            raise ValueError(f"the last table range must be unbounded (max_bytes null), got {self.table[-1].to_dict()}")
+        if not isinstance(self.versions, dict):
+            raise ValueError(f"versions must be an object, got {self.versions!r}")
+        if not isinstance(self.notes, list):
+            raise ValueError(f"notes must be a list, got {self.notes!r}")
+        self._maxes = [t.max_bytes for t in self.table[:-1]]
+
+    # -- queries --------------------------------------------------------------------------------------------------
+
+    def algorithm_for(self, nbytes: int) -> str:
+        """The algorithm for an all-reduce of ``nbytes`` bytes (a bisect over the table: cheap on the step path)."""
+        return self.table[bisect.bisect_left(self._maxes, nbytes)].algorithm
+
+    def algorithms(self) -> List[str]:
+        """Algorithms the table uses, in canonical order (the order process groups are created in)."""
+        used = {t.algorithm for t in self.table}
+        return [a for a in ALGORITHMS if a in used]
+
+    def digest(self) -> str:
+        """sha256 of what changes behaviour on a rank: sizes, dtype, bucket size and table (not timestamps)."""
+        key = {"schema_version": self.schema_version, "world_size": self.world_size, "nodes": self.nodes,
+               "comm_dtype": self.comm_dtype, "bucket_cap_mb": self.bucket_cap_mb,
+               "table": [t.to_dict() for t in self.table]}
+        return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def check_matches(self, *, fingerprint: Optional[str] = None, world_size: Optional[int] = None,
+                      nodes: Optional[int] = None, comm_dtype: Optional[str] = None,
+                      path: Optional[PathLike] = None) -> None:
+        """Raise ProfileError naming the first field that differs from what the caller runs with."""
+        wanted = {"topology_fingerprint": fingerprint, "world_size": world_size, "nodes": nodes,
+                  "comm_dtype": None if comm_dtype is None else normalize_dtype(comm_dtype)}
+        for name, want in wanted.items():
+            if want is not None and getattr(self, name) != want:
+                raise ProfileError(f"profile is for {name}={getattr(self, name)!r}, this run has {want!r}", path)
+
+    def summary(self) -> str:
+        """A few lines for people: where it came from, the ranges, the bucket size."""
+        lines = [f"profile: source={self.source} backend={self.backend} world_size={self.world_size} "
+                 f"nodes={self.nodes} comm_dtype={self.comm_dtype}",
+                 f"topology: {self.topology_name or '?'} ({self.topology_fingerprint or 'no fingerprint'})",
+                 f"created: {self.created}",
+                 "algorithm by all-reduce size:"]
+        for t in self.table:
+            hi = "inf" if t.max_bytes is None else format_bytes(t.max_bytes)
+            proto = f" ({t.protocol})" if t.protocol else ""
+            lines.append(f"  {format_bytes(t.min_bytes):>10} .. {hi:<10} {t.algorithm}{proto}")
+        lines.append(f"bucket_cap_mb: {self.bucket_cap_mb:g}  ({self.bucket_reason})" if self.bucket_reason
+                     else f"bucket_cap_mb: {self.bucket_cap_mb:g}")
+        lines.append(f"DDP arguments: {ddp_kwargs(self)}")
+        if self.e2e:
+            lines.append(f"e2e winner: {self.e2e.get('winner')}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    # -- (de)serialisation ----------------------------------------------------------------------------------------
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"schema_version": self.schema_version, "source": self.source, "world_size": self.world_size,
+                "nodes": self.nodes, "comm_dtype": self.comm_dtype, "bucket_cap_mb": self.bucket_cap_mb,
+                "bucket_reason": self.bucket_reason, "sweep": [r.to_dict() for r in self.sweep],
+                "table": [t.to_dict() for t in self.table], "topology_fingerprint": self.topology_fingerprint,
+                "topology_name": self.topology_name, "backend": self.backend, "versions": dict(self.versions),
+                "created": self.created, "e2e": self.e2e, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
+        """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {version!r} is not the supported {SCHEMA_VERSION}")
+        try:
+            return cls(
+                source=d["source"], world_size=d["world_size"], nodes=d["nodes"], comm_dtype=d["comm_dtype"],
+                bucket_cap_mb=d["bucket_cap_mb"], table=list(d["table"]), sweep=list(d.get("sweep") or []),
+                bucket_reason=str(d.get("bucket_reason", "")),
+                topology_fingerprint=str(d.get("topology_fingerprint", "")),
+                topology_name=str(d.get("topology_name", "")), backend=d.get("backend", "nccl"),
+                versions=dict(d.get("versions") or {}), created=str(d.get("created", "")), e2e=d.get("e2e"),
+                notes=list(d.get("notes") or []), schema_version=version)
+        except KeyError as e:
+            raise ValueError(f"missing field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise ValueError(f"malformed field: {e}") from None
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str, path: Optional[PathLike] = None) -> "Profile":
+        """Parse; ProfileError naming ``path`` on anything wrong."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"not valid JSON ({e})", path) from None
+        try:
+            return cls.from_dict(data)
+        except ProfileError:
+            raise
+        except ValueError as e:
+            raise ProfileError(f"invalid profile: {e}", path) from None
+
+    def save(self, path: PathLike) -> Path:
+        """Write atomically (temp file + rename, so a reader never sees half a file); returns the path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=str(p.parent))
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+                f.write("\n")
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return p
+
+    @classmethod
+    def load(cls, path: PathLike) -> "Profile":
+        """Read and validate ``path``; ProfileError naming the file on any problem."""
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError(f"cannot read profile ({e.__class__.__name__}: {e})", path) from None
+        return cls.from_json(text, path)
+
+
+def load_profile(path: PathLike) -> Profile:
+    """``Profile.load``: read and validate a profile file (ProfileError naming it on failure)."""
+    return Profile.load(path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached: ``$XDG_CACHE_HOME/ddp-triton``, else ``~/.cache/ddp-triton``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ddp-triton"
+
+
+def cache_path(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Path:
+    """The cache file for one (topology, world size, nodes, dtype)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", fingerprint or "unknown")[:80]
+    return cache_dir() / f"profile-{safe}-w{int(world_size)}-n{int(nodes)}-{normalize_dtype(comm_dtype)}.json"
+
+
+def find_cached_profile(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Optional[Profile]:
+    """The cached profile for this setup, or None: absent, or unusable (then warn once and let the caller model)."""
+    path = cache_path(fingerprint, world_size, nodes, comm_dtype)
+    if not path.exists():
+        return None
+    try:
+        prof = Profile.load(path)
+        prof.check_matches(fingerprint=fingerprint, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
+                           path=path)
+    except ProfileError as e:
+        warn_once(f"ignoring cached profile: {e}; falling back to the cost model "
+                  f"(rerun `ddp-triton autotune` to replace it)")
+        return None
+    return prof
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building a profile from a sweep: table and bucket size
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def format_bytes(n: Union[int, float]) -> str:
+    """1536 -> '1.5 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} TiB"  # unreachable
+
+
+def _as_rows(rows: Iterable[Union[SweepRow, Mapping[str, Any]]]) -> List[SweepRow]:
+    return [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
+
+
+def build_table(rows: Iterable[Union[SweepRow, Mapping[str, Any]]],
+                tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+                protocol_of: Optional[Callable[[str, int], Optional[str]]] = None) -> List[TableEntry]:
+    """Ranges of the fastest algorithm per swept size.
+
+    A size between two swept sizes a < b follows a up to floor(sqrt(a*b)) (the geometric midpoint) and b above it.
+    Where the previous size's algorithm is within ``tie_tolerance`` of the fastest it is kept, so that noise does
+    not alternate algorithms. Each range carries the row's protocol, else ``protocol_of(algorithm, bytes)`` (the
+    model's guess for measured rows), else None; ranges split where the protocol changes.
+    """
+    by_size: Dict[int, List[SweepRow]] = {}
+    for r in _as_rows(rows):
+        by_size.setdefault(r.nbytes, []).append(r)
+    if not by_size:
+        raise ValueError("no sweep rows to build a table from")
+    sizes = sorted(by_size)
+    picks: List[SweepRow] = []
+    for s in sizes:
+        fastest = min(by_size[s], key=lambda r: (r.time_us, ALGORITHMS.index(r.algorithm)))
+        if picks:
+            same = [r for r in by_size[s] if r.algorithm == picks[-1].algorithm]
+            if same and same[0].time_us <= fastest.time_us * (1.0 + tie_tolerance):
+                fastest = same[0]
+        picks.append(fastest)
+    table: List[TableEntry] = []
+    for i, (s, r) in enumerate(zip(sizes, picks)):
+        hi = math.isqrt(s * sizes[i + 1]) if i + 1 < len(sizes) else None
+        proto = r.protocol if r.protocol is not None else (protocol_of(r.algorithm, s) if protocol_of else None)
+        if table and table[-1].algorithm == r.algorithm and table[-1].protocol == proto:
+            table[-1].max_bytes = hi
+        else:
+            lo = 0 if not table else table[-1].max_bytes + 1  # type: ignore[operator]
+            table.append(TableEntry(lo, hi, r.algorithm, proto))
+    return table
+
+
+def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fraction: float = DEFAULT_FRACTION,
+                         model_bytes: Optional[int] = None, min_buckets: int = DEFAULT_MIN_BUCKETS,
+                         comm_ratio: float = 1.0) -> Tuple[float, str]:
+    """DDP ``bucket_cap_mb`` and the reason for it.
+
+    The smallest swept all-reduce size whose best busbw reaches ``fraction`` of the best busbw of the sweep: larger
+    buckets gain little bandwidth but delay the first all-reduce and shrink overlap with backward. ``comm_ratio`` is
+    bytes sent per gradient byte (0.5 for fp32 gradients sent as bf16), since DDP counts bucket size in gradient
+    bytes. With ``model_bytes`` (gradient bytes of the model), the cap is lowered so the model still splits into at
+    least ``min_buckets`` buckets.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    if min_buckets < 1:
+        raise ValueError(f"min_buckets must be >= 1, got {min_buckets!r}")
+    if not comm_ratio > 0:
+        raise ValueError(f"comm_ratio must be > 0, got {comm_ratio!r}")
+    if model_bytes is not None and model_bytes <= 0:
+        raise ValueError(f"model_bytes must be > 0, got {model_bytes!r}")
+    best: Dict[int, SweepRow] = {}
+    for r in _as_rows(rows):
+        if r.nbytes not in best or r.busbw_gbps > best[r.nbytes].busbw_gbps:
+            best[r.nbytes] = r
+    if not best:
+        raise ValueError("no sweep rows to choose a bucket size from")
+    peak = max(best.values(), key=lambda r: r.busbw_gbps)
+    if peak.busbw_gbps <= 0:
+        # One rank: nothing crosses a wire, bandwidth says nothing. Keep DDP's default.
+        return 25.0, "one rank (busbw 0 everywhere): DDP's default 25 MiB"
+    target = fraction * peak.busbw_gbps
+    chosen = next(best[s] for s in sorted(best) if best[s].busbw_gbps >= target)
+    bucket_bytes = chosen.nbytes / comm_ratio
+    reason = (f"smallest all-reduce reaching {fraction:.0%} of the best busbw ({peak.busbw_gbps:.1f} GB/s at "
+              f"{format_bytes(peak.nbytes)}): {format_bytes(chosen.nbytes)} at {chosen.busbw_gbps:.1f} GB/s "
+              f"({chosen.algorithm})")
+    if comm_ratio != 1.0:
+        reason += f"; {comm_ratio:g} bytes sent per gradient byte -> {format_bytes(bucket_bytes)} of gradients"
+    if model_bytes is not None:
+        bound = model_bytes / min_buckets
+        if bucket_bytes > bound:
+            bucket_bytes = bound
+            reason += (f"; lowered to {format_bytes(bound)} so the {format_bytes(model_bytes)} of gradients split "
+                       f"into {min_buckets} buckets that overlap backward")
+    else:
+        reason += "; model size unknown, so not bounded for overlap (ddp_kwargs(profile, model) bounds it)"
+    mb = float(f"{bucket_bytes / MiB:.4g}")
+    return mb, reason
+
+
+def ddp_kwargs(profile: Profile, model: Any = None, min_buckets: int = DEFAULT_MIN_BUCKETS) -> Dict[str, Any]:
+    """Keyword arguments for ``DistributedDataParallel(...)`` that apply the profile (DDP fixes its buckets at
+    construction, so they must be passed there).
+
+    With ``model`` (an ``nn.Module``), the bucket cap is also bounded so the model's gradients split into at least
+    ``min_buckets`` buckets.
+    """
+    mb = profile.bucket_cap_mb
+    if model is not None:
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if nbytes > 0:
+            mb = min(mb, float(f"{nbytes / min_buckets / MiB:.4g}"))
+    return {"bucket_cap_mb": mb}
+
+
+def rows_for_dtype(rows: Sequence[SweepRow], comm_dtype: str) -> List[SweepRow]:
+    """The rows measured in ``comm_dtype`` (rows without a dtype count as comm_dtype)."""
+    dt = normalize_dtype(comm_dtype)
+    return [r for r in rows if r.dtype in (None, dt)]

@@ -1,0 +1,164 @@
+"""CommState: what triton_hook needs across steps, built once per DDP model.
+
+It holds the process group, the dtype on the wire, how the division by world size is split around the all-reduce,
+the autotuned per-size choice of NCCL algorithm (one process group per algorithm) and, per bucket, the
+communication buffer and the bound pack/unpack launches. Memory held: one comm-dtype copy of each bucket (half the
+gradients' bytes for float32 gradients sent as bfloat16), nothing when the comm dtype equals the bucket dtype,
+which is sent in place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .log import logger, warn_once
+
+COMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Profile, or None
+
+
+def split_average(world_size: int, comm_dtype: torch.dtype) -> Tuple[float, float]:
+    """(pre, post) factors with pre * post == 1 / world_size, applied before and after the all-reduce sum.
+
+    bfloat16 and float32 have float32's exponent range, so all of the division goes before the all-reduce, in
+    float32 before the single rounding: nothing can overflow in the sum. float16 tops out at 65504 and loses
+    precision below 6e-5: dividing by the whole world size first would push small gradients into subnormals, not
+    dividing would let a sum over many ranks overflow. Splitting the factor as 1/sqrt(N) on each side bounds both:
+    at N = 1024 the sum grows at most 32x and gradients shrink only 32x before the wire.
+    """
+    if comm_dtype == torch.float16:
+        pre = 1.0 / math.sqrt(world_size)
+        return pre, 1.0 / (world_size * pre)
+    return 1.0 / world_size, 1.0
+
+
+@dataclass
+class BucketComm:
+    """One bucket's buffers and launches, valid while DDP's bucket buffer stays the same memory."""
+
+    signature: Tuple[int, int, torch.dtype]
+    buffer: torch.Tensor
+    comm: torch.Tensor
+    pack: Callable[[], None]
+    unpack: Callable[[], None]
+    group: Any
+    op: Any
+    algorithm: Optional[str]
+
+
+@dataclass
+class CommState:
+    """State for :func:`ddp_triton.triton_hook`.
+
+    Build it on every rank, in the same order, after ``init_process_group`` (it may create process groups).
+    """
+
+    process_group: Any = None
+    """Group the gradients are averaged over; None is the default (world) group."""
+    comm_dtype: torch.dtype = torch.bfloat16
+    """Dtype on the wire: bfloat16, float16 or float32."""
+    profile: ProfileSpec = "auto"
+    """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile, else the cost model), a path
+    to a profile JSON, a Profile, or None (leave the choice to NCCL)."""
+    buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
+    algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("CommState needs torch.distributed to be initialised (init_process_group) first")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {self.comm_dtype}")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
+        self._rebinds: Dict[int, int] = {}
+        self.profile = self._setup_profile(self.profile)
+
+    def _setup_profile(self, spec: ProfileSpec) -> Any:
+        from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
+
+        profile = resolve_profile(spec, self)
+        if profile is not None:
+            from .algo_groups import check_profile_agreement, make_algorithm_groups
+
+            check_profile_agreement(profile, self.group)
+            self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
+        return profile
+
+    def bucket_comm(self, index: int, buffer: torch.Tensor) -> BucketComm:
+        """This bucket's buffers and launches, made on first use and again only if DDP reallocates the bucket."""
+        if buffer.layout != torch.strided:
+            raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
+        signature = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        entry = self.buckets.get(index)
+        if entry is not None and entry.signature == signature:
+            return entry
+        if entry is not None:
+            self._note_rebind(index)
+        entry = self._bind(signature, buffer)
+        self.buckets[index] = entry
+        return entry
+
+    def _bind(self, signature, buffer: torch.Tensor) -> BucketComm:
+        if buffer.dtype not in kernels.SUPPORTED_DTYPES:
+            raise TypeError(
+                f"triton_hook got a bucket of dtype {buffer.dtype}; supported are float32, bfloat16 and float16"
+            )
+        group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
+        in_place = self.comm_dtype == buffer.dtype
+        if in_place and self.backend == "nccl" and self.comm_dtype != torch.float16:
+            # The collective's own averaging: no kernel at all on either side.
+            return BucketComm(signature, buffer, buffer, _nothing, _nothing, group, dist.ReduceOp.AVG, algorithm)
+        comm = buffer if in_place else torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
+        pack = kernels.bind_pack([buffer], comm, self.pre_scale)
+        unpack = kernels.bind_unpack(comm, [buffer], self.post_scale)
+        return BucketComm(signature, buffer, comm, pack, unpack, group, dist.ReduceOp.SUM, algorithm)
+
+    def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
+        if self.profile is None or not self.algorithm_groups:
+            return self.group, None
+        from .algo_groups import select_group
+
+        algorithm = self.profile.algorithm_for(nbytes)
+        return select_group(self.algorithm_groups, self.profile, nbytes), algorithm
+
+    def _note_rebind(self, index: int) -> None:
+        count = self._rebinds[index] = self._rebinds.get(index, 0) + 1
+        if count > 2:  # DDP rebuilds its buckets once, after the first iteration; more means a shared state
+            warn_once(
+                f"bucket {index}'s buffer keeps changing (rebound {count} times): is one CommState shared by "
+                "several DDP models? Give each model its own (ddp_triton.register does)."
+            )
+
+    def held_bytes(self) -> int:
+        """Bytes of communication buffers this state holds (those that are not DDP's own bucket buffers)."""
+        return sum(e.comm.numel() * e.comm.element_size() for e in self.buckets.values() if e.comm is not e.buffer)
+
+
+def _nothing() -> None:
+    return None
+
+
+_default_states: Dict[int, CommState] = {}
+
+
+def default_state() -> CommState:
+    """The state used when the hook is registered with ``None``: default group, bfloat16, NCCL's own algorithm."""
+    world = dist.group.WORLD
+    state = _default_states.get(id(world))
+    if state is None:
+        state = _default_states[id(world)] = CommState(profile=None)
+        logger.debug("triton_hook: state None, using the default process group and bfloat16")
+    return state

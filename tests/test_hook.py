@@ -1,0 +1,418 @@
+"""triton_hook and CommState under real DDP.
+
+Tier: gloo multi-process on CPU (world sizes 2 and 4, spawned here). Most tests run the torch CPU path of the
+kernels (TRITON_INTERPRET=0 in the workers, as in CPU production); the interpreter test runs the Triton kernel end
+to end. The reference is always a plain single process on the full batch (the DDP equivalence).
+"""
+
+import contextlib
+import copy
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from dist_utils import run_workers
+from ddp_triton.state import split_average
+
+BATCH = 16
+IN, HIDDEN, OUT = 8, 32, 4
+
+
+@contextlib.contextmanager
+def worker_env(**values):
+    """Environment the spawned workers start with (Triton reads TRITON_INTERPRET when the kernels are imported)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def torch_path_workers(fn, world_size, *args):
+    with worker_env(TRITON_INTERPRET="0"):
+        run_workers(fn, world_size, *args, timeout=120)
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT)).to(dtype)
+
+
+def make_data(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=gen).to(dtype), torch.randn(BATCH, OUT, generator=gen).to(dtype)
+
+
+def torch_bf16_hook(state, bucket):
+    """torch's bf16_compress_hook itself. DDP refuses it by name outside NCCL, though it runs fine on gloo (which
+    all-reduces bfloat16), so the comparison tests call it under another name."""
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def local_slice(tensor, rank, world_size):
+    per = tensor.shape[0] // world_size
+    return tensor[rank * per : (rank + 1) * per]
+
+
+def train_reference(model, steps, lr=0.1, dtype=torch.float32):
+    """One process, the full batch: what N ranks on B/N samples each must reproduce."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = make_data(step, dtype)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def train_ddp(ddp_model, rank, world_size, steps, lr=0.1, dtype=torch.float32):
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = make_data(step, dtype)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp_model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+
+
+def assert_params_close(model, reference, atol, rtol):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().float(), q.detach().float(), atol=atol, rtol=rtol, msg=name)
+
+
+# float32 on the wire: the only differences from one process are the order of float32 additions (a mean of N
+# partial means against one mean), a few ulps per step; after 6 SGD steps at lr 0.1 that stays below 1e-5.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _equivalence_worker(rank, world_size, gabv, bucket_cap_mb, static_graph):
+    model = make_model()
+    reference = train_reference(copy.deepcopy(model), steps=6)
+    ddp = DDP(model, gradient_as_bucket_view=gabv, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph)
+    state = ddp_triton.register(ddp, comm_dtype=torch.float32)
+    train_ddp(ddp, rank, world_size, steps=6)
+    assert_params_close(ddp.module, reference, **FP32_TOL)
+    if bucket_cap_mb < 0.01:
+        assert len(state.buckets) > 1, "the small bucket cap should give several buckets"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("gabv", [False, True], ids=["copy", "bucket-view"])
+def test_ddp_equivalence_float32(world_size, gabv):
+    torch_path_workers(_equivalence_worker, world_size, gabv, 0.002, False)
+
+
+def test_ddp_equivalence_static_graph():
+    torch_path_workers(_equivalence_worker, 2, True, 0.002, True)
+
+
+def _interpreter_worker(rank, world_size):
+    from ddp_triton.kernels import uses_triton
+
+    assert uses_triton(torch.device("cpu")), "this worker should run the Triton kernel in the interpreter"
+    _equivalence_worker(rank, world_size, True, 0.002, False)
+    # and bfloat16 through the same kernel, against torch's own bf16 hook on the same data
+    _bf16_error_worker(rank, world_size)
+
+
+def test_triton_kernel_end_to_end_under_interpreter():
+    with worker_env(TRITON_INTERPRET="1"):
+        run_workers(_interpreter_worker, 2, timeout=240)
+
+
+def _grad_error(model_fn, hook, state, rank, world_size, reference_grads):
+    model = model_fn()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    x, y = make_data(0)
+    nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    return math.sqrt(sum(float((p.grad.double() - r).square().sum()) for p, r in zip(model.parameters(),
+                                                                                     reference_grads)))
+
+
+def _bf16_error_worker(rank, world_size):
+    # float64 reference of the averaged gradient: the full-batch gradient of a float64 copy
+    reference = make_model().double()
+    x, y = make_data(0)
+    nn.functional.mse_loss(reference(x.double()), y.double()).backward()
+    reference_grads = [p.grad for p in reference.parameters()]
+    ours = _grad_error(make_model, ddp_triton.triton_hook, None, rank, world_size, reference_grads)
+    theirs = _grad_error(make_model, torch_bf16_hook, None, rank, world_size, reference_grads)
+    assert ours <= theirs, f"triton_hook error {ours:.3e} > bf16_compress_hook error {theirs:.3e}"
+    assert ours > 0  # bfloat16 did round something: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bf16_error_no_worse_than_torch_bf16_hook(world_size):
+    torch_path_workers(_bf16_error_worker, world_size)
+
+
+def _no_sync_worker(rank, world_size):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.002)
+    ddp_triton.register(ddp, comm_dtype=torch.float32)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(3):
+        micro = [make_data(10 * step + m) for m in range(2)]
+        opt_ref.zero_grad()
+        for x, y in micro:  # reference: accumulate the two full-batch micro-steps
+            nn.functional.mse_loss(reference(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        with ddp.no_sync():
+            x, y = micro[0]
+            nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        x, y = micro[1]
+        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+    assert_params_close(ddp.module, reference, **FP32_TOL)
+
+
+def test_gradient_accumulation_with_no_sync():
+    torch_path_workers(_no_sync_worker, 2)
+
+
+class Branchy(nn.Module):
+    """Uses `skipped` only on even steps: DDP must be told to find unused parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(IN, OUT)
+        self.skipped = nn.Linear(IN, OUT)
+        self.use_branch = True
+
+    def forward(self, x):
+        out = self.trunk(x)
+        return out + self.skipped(x) if self.use_branch else out
+
+
+def _unused_parameters_worker(rank, world_size):
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, find_unused_parameters=True)
+    ddp_triton.register(ddp, comm_dtype=torch.float32)
+    opt, opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        model.use_branch = reference.use_branch = step % 2 == 0
+        x, y = make_data(step)
+        opt_ref.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+    assert_params_close(ddp.module, reference, **FP32_TOL)
+
+
+def test_find_unused_parameters():
+    torch_path_workers(_unused_parameters_worker, 2)
+
+
+def _subgroup_worker(rank, world_size):
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    model = make_model()
+    # each pair of ranks trains on its own half of the batch: pair p covers rows [p*8, p*8+8)
+    pair, local = rank // 2, rank % 2
+    reference = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ddp = DDP(model, process_group=mine, bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, comm_dtype=torch.float32)
+    assert state.world_size == 2
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = make_data(step)
+        xp, yp = local_slice(x, pair, 2), local_slice(y, pair, 2)
+        opt_ref.zero_grad()
+        nn.functional.mse_loss(reference(xp), yp).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(local_slice(xp, local, 2)), local_slice(yp, local, 2)).backward()
+        opt.step()
+    assert_params_close(ddp.module, reference, **FP32_TOL)
+
+
+def test_subgroup_as_process_group():
+    torch_path_workers(_subgroup_worker, 4)
+
+
+def _join_worker(rank, world_size):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    ddp_triton.register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(3 + 2 * rank):  # rank 1 has two more batches than rank 0
+            x, y = make_data(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            opt.step()
+    # every rank took the same averaged steps, so the replicas still agree
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def test_uneven_inputs_under_join():
+    torch_path_workers(_join_worker, 2)
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(IN, HIDDEN)
+        self.second = nn.Linear(HIDDEN, OUT).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)).to(self.second.weight.dtype)).float()
+
+
+def _dtypes_worker(rank, world_size):
+    # A bfloat16 model sent as bfloat16 (in place in DDP's buckets), then a model with float32 and bfloat16
+    # parameters (DDP gives each dtype its own buckets). Reference: the same hook numerics on one process are not
+    # available, so compare against the full-batch float32 gradient at bfloat16's resolution: one rounding of the
+    # input and one of the sum, |error| <= 2 * 2**-8 relative, plus the bf16 model's own rounding.
+    for make in (lambda: make_model(dtype=torch.bfloat16), TwoDtypes):
+        model = make()
+        reference = copy.deepcopy(model).float()
+        x, y = make_data(0)
+        nn.functional.mse_loss(reference(x), y).backward()
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        state = ddp_triton.register(ddp)
+        xs = local_slice(x, rank, world_size).to(next(model.parameters()).dtype)
+        nn.functional.mse_loss(ddp(xs).float(), local_slice(y, rank, world_size)).backward()
+        dtypes = {e.buffer.dtype for e in state.buckets.values()}
+        assert torch.bfloat16 in dtypes
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.float(), q.grad, atol=0.05, rtol=0.05)
+
+
+def test_bfloat16_model_and_mixed_dtypes():
+    torch_path_workers(_dtypes_worker, 2)
+
+
+def _memory_worker(rank, world_size):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.002, gradient_as_bucket_view=True)
+    state = ddp_triton.register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    held, comms = None, None
+    for step in range(300):
+        x, y = make_data(step % 7)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+        if step == 2:  # DDP rebuilt its buckets after the first iteration; from here on nothing may change
+            held = state.held_bytes()
+            comms = {i: e.comm for i, e in state.buckets.items()}
+    assert state.held_bytes() == held
+    assert held == sum(p.numel() for p in model.parameters()) * 2  # one bfloat16 copy of each bucket
+    assert {i: e.comm for i, e in state.buckets.items()}.keys() == comms.keys()
+    assert all(state.buckets[i].comm is c for i, c in comms.items()), "communication buffers were reallocated"
+
+
+def test_long_run_holds_constant_memory():
+    torch_path_workers(_memory_worker, 2)
+
+
+def _compiled_worker(rank, world_size):
+    model = make_model()
+    reference = train_reference(copy.deepcopy(model), steps=3)
+    # default bucket caps: DDPOptimizer insists the first bucket is no larger than the others
+    ddp = DDP(torch.compile(model, backend="aot_eager"))
+    ddp_triton.register(ddp, comm_dtype=torch.float32)
+    train_ddp(ddp, rank, world_size, steps=3)
+    assert_params_close(model, reference, **FP32_TOL)
+    # torch's own bf16 hook works on the same kind of model, and so does ours with None state
+    for hook in (torch_bf16_hook, ddp_triton.triton_hook):
+        other = DDP(torch.compile(make_model(), backend="aot_eager"))
+        other.register_comm_hook(None, hook)
+        train_ddp(other, rank, world_size, steps=2)
+
+
+def test_torch_compiled_module():
+    torch_path_workers(_compiled_worker, 2)
+
+
+def _bad_input_worker(rank, world_size):
+    with pytest.raises(ValueError, match="comm_dtype"):
+        ddp_triton.CommState(comm_dtype=torch.float64)
+    subgroup = dist.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError, match="not a member"):
+            ddp_triton.CommState(process_group=subgroup)
+    with pytest.raises(TypeError, match="float64"):
+        ddp_triton.register(DDP(make_model(dtype=torch.float64)))
+    # float64 through register_comm_hook directly: a clear error at the first bucket, on every rank
+    ddp = DDP(make_model(dtype=torch.float64))
+    ddp.register_comm_hook(None, ddp_triton.triton_hook)
+    x, y = make_data(0, torch.float64)
+    with pytest.raises(Exception, match="float64"):
+        nn.functional.mse_loss(ddp(x), y).backward()
+    # sparse gradients
+    emb = DDP(nn.Embedding(10, 4, sparse=True))
+    emb.register_comm_hook(ddp_triton.CommState(profile=None), ddp_triton.triton_hook)
+    with pytest.raises(Exception, match="sparse"):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        ddp_triton.register(make_model())
+
+
+def test_bad_input_fails_clearly_on_every_rank():
+    torch_path_workers(_bad_input_worker, 2)
+
+
+def test_split_average_keeps_the_product():
+    for n in (1, 2, 3, 8, 1024):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            pre, post = split_average(n, dtype)
+            assert pre * post == pytest.approx(1 / n, rel=1e-12)
+            if dtype == torch.float16:
+                assert pre == pytest.approx(1 / math.sqrt(n))
+            else:
+                assert post == 1.0
+
+
+def test_comm_state_needs_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ddp_triton.CommState()
+
+
+def _fp16_worker(rank, world_size):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    x, y = make_data(0)
+    nn.functional.mse_loss(reference(x), y).backward()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, comm_dtype=torch.float16)
+    assert state.pre_scale == pytest.approx(1 / math.sqrt(world_size))
+    nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        # float16 keeps 11 significant bits: one rounding before the wire, one per addition in the sum and one
+        # after, each at most 2**-11 relative, so 4 * 2**-11 ~ 2e-3; atol covers gradients near zero.
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_float16_on_the_wire(world_size):
+    torch_path_workers(_fp16_worker, world_size)
