@@ -20,11 +20,15 @@ _BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.fl
 
 def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """dst <- round(src * scale) with one rounding; NaNs canonical. Both 1-D, same length."""
-    if scale != 1.0:
-        src = src.float().mul(scale)  # float32 product, as in the kernel
-    dst.copy_(src)
-    nan = torch.isnan(dst)
-    if bool(nan.any()):
+    if scale == 1.0:
+        dst.copy_(src)
+    else:
+        # float32 product, rounded once when stored into dst (a 16-bit src would round its product to its own
+        # dtype first, so it is widened before the multiply)
+        torch.mul(src if src.dtype == torch.float32 else src.float(), scale, out=dst)
+    # A NaN anywhere makes the sum NaN; the sum is one cheap pass, the exact search runs only when it fires.
+    if bool(torch.isnan(dst.sum())):
+        nan = torch.isnan(dst)
         dst.view(_BITS_DTYPE[dst.dtype])[nan] = NAN_BITS[_KIND[dst.dtype]]
 
 

@@ -1,0 +1,107 @@
+"""What every benchmark here shares: timing, the machine's description, and writing results."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a plain script: make `ddp_triton` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    """GPU name, software versions and the date: what a recorded number must carry."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:  # NCCL missing from this build
+            nccl = None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "nccl": nccl,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+def bench_us(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median microseconds per call: triton.testing.do_bench on CUDA, wall-clock median on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1000.0
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000.0
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def host_us_per_call(fn: Callable[[], Any], device: torch.device, calls: int = 2000, warmup: int = 200) -> float:
+    """Host microseconds per call over many calls, synchronised once at the end (the GPU is never the limit)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return elapsed / calls * 1e6
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table (which also reads well in a terminal)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save_json(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:
+    """Write ``payload`` to ``bench/out/<name>-<date>.json`` (or ``out_dir``) and return the path."""
+    out_dir = Path(out_dir) if out_dir is not None else OUT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def append_results(title: str, env: Dict[str, Any], tables: List[str], notes: Sequence[str] = (),
+                   path: Path = RESULTS_MD) -> None:
+    """Append a dated section to bench/RESULTS.md: the machine, the tables, and what they mean."""
+    header = (f"\n## {title}: {env['device']}, {env['date']}\n\n"
+              f"torch {env['torch']}, triton {env['triton']}, NCCL {env['nccl']}.\n")
+    body = "\n\n".join(tables)
+    extra = "".join(f"\n- {n}" for n in notes)
+    with open(path, "a") as f:
+        f.write(header + "\n" + body + "\n" + (extra + "\n" if extra else ""))

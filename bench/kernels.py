@@ -1,0 +1,196 @@
+"""pack / unpack against torch's equivalents and the copy ceiling, on one GPU.
+
+    python -m bench.kernels                 # CUDA: the full table, JSON in bench/out/, a section in RESULTS.md
+    python -m bench.kernels --device cpu --quick --no-compile   # smoke run of the same code on CPU (no GPU needed)
+
+Bytes model: a pack or unpack of n elements between float32 and bfloat16 reads 4 and writes 2 bytes per element
+(or the reverse), ``bytes = n * (4 + 2)``; the least it can take is those bytes at the copy ceiling, measured in
+the same run as a float32 device-to-device copy of 1 GiB (bytes read + written). Torch's equivalents are what its
+bf16_compress_hook does around the all-reduce: ``buf.to(bfloat16).div_(N)`` before, ``buf.copy_(bf16)`` after,
+and for a list of gradients ``torch.cat(grads).to(bfloat16).div_(N)``; torch.compile's fused kernels for the same
+expressions are timed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    append_results,
+    bench_us,
+    environment,
+    format_table,
+    host_us_per_call,
+    save_json,
+)
+from ddp_triton.kernels import bind_pack, bind_unpack, pack  # noqa: E402
+
+WORLD = 8  # the division by world size in the pack; any N costs the same
+MiB = 1 << 20
+
+
+def gpt2_small_shapes(hidden: int = 768, vocab: int = 50257, context: int = 1024, layers: int = 12) -> List[tuple]:
+    """The 148 parameter shapes of GPT-2 small (124,439,808 parameters at the defaults), in module order."""
+    shapes = [(vocab, hidden), (context, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden,), (hidden,), (hidden, 3 * hidden), (3 * hidden,), (hidden, hidden), (hidden,),
+                   (hidden,), (hidden,), (hidden, 4 * hidden), (4 * hidden,), (4 * hidden, hidden), (hidden,)]
+    return shapes + [(hidden,), (hidden,)]
+
+
+def copy_ceiling_gbps(device: torch.device, gib: float) -> float:
+    """GB/s of a float32 copy, bytes read plus written: the most any of these kernels can reach."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), device)
+    return 2 * n * 4 / us / 1e3
+
+
+def _maybe_compile(fn: Callable, enabled: bool) -> Optional[Callable]:
+    return torch.compile(fn) if enabled else None
+
+
+def bucket_rows(device: torch.device, sizes_mb: List[float], ceiling: float, compile_: bool) -> List[Dict[str, Any]]:
+    """One flat float32 bucket per size: pack (to bf16, /N) and unpack (to fp32), ours beside torch's."""
+    compiled_pre = _maybe_compile(lambda b: (b * (1.0 / WORLD)).to(torch.bfloat16), compile_)
+    compiled_post = _maybe_compile(lambda c: c.float(), compile_)
+    rows = []
+    for mb in sizes_mb:
+        n = int(mb * MiB) // 4
+        buf = torch.randn(n, device=device)
+        comm = torch.empty(n, dtype=torch.bfloat16, device=device)
+        ours_pack = bind_pack([buf], comm, 1.0 / WORLD)
+        ours_unpack = bind_unpack(comm, [buf], 1.0)
+        ours_pack()
+        expected = buf.float().mul(1.0 / WORLD).to(torch.bfloat16)
+        exact = bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))
+        nbytes = n * (4 + 2)
+        floor_us = nbytes / ceiling / 1e3
+        cases = [
+            ("pack", ours_pack, lambda: buf.to(torch.bfloat16).div_(WORLD),
+             (lambda: compiled_pre(buf)) if compiled_pre else None),
+            ("unpack", ours_unpack, lambda: buf.copy_(comm), (lambda: compiled_post(comm)) if compiled_post else None),
+        ]
+        for op, ours, theirs, compiled in cases:
+            ours_us = bench_us(ours, device)
+            torch_us = bench_us(theirs, device)
+            compiled_us = bench_us(compiled, device) if compiled else None
+            rows.append({
+                "mb": mb, "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
+                "compiled_us": compiled_us, "floor_us": floor_us, "ours_gbps": nbytes / ours_us / 1e3,
+                "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact,
+            })
+        del buf, comm
+    return rows
+
+
+def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float, compile_: bool) -> List[Dict]:
+    """GPT-2 small's gradients: flatten + scale + cast in one launch, against torch.cat and its compiled form."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(s, device=device, generator=gen) for s in shapes]
+    n = sum(g.numel() for g in grads)
+    flat = torch.empty(n, dtype=torch.bfloat16, device=device)
+    nbytes = n * (4 + 2)
+    floor_us = nbytes / ceiling / 1e3
+    ours_pack = bind_pack(grads, flat, 1.0 / WORLD)
+    ours_pack()
+    expected = torch.cat([g.flatten() for g in grads]).mul(1.0 / WORLD).to(torch.bfloat16)
+    exact = bool(torch.equal(flat.view(torch.int16), expected.view(torch.int16)))
+    compiled = _maybe_compile(lambda gs: torch.cat([g.flatten() for g in gs]).mul(1.0 / WORLD).to(torch.bfloat16),
+                              compile_)
+    ours_unpack = bind_unpack(flat, grads, 1.0)
+    views = list(flat.split([g.numel() for g in grads]))
+
+    def torch_unpack() -> None:
+        for g, v in zip(grads, views):
+            g.copy_(v.view_as(g))
+
+    rows = []
+    for op, ours, theirs, comp in (
+        ("pack", ours_pack, lambda: torch.cat([g.flatten() for g in grads]).to(torch.bfloat16).div_(WORLD),
+         (lambda: compiled(grads)) if compiled else None),
+        ("unpack", ours_unpack, torch_unpack, None),
+    ):
+        ours_us = bench_us(ours, device)
+        torch_us = bench_us(theirs, device)
+        compiled_us = bench_us(comp, device) if comp else None
+        rows.append({
+            "tensors": len(grads), "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
+            "compiled_us": compiled_us, "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
+            "torch_over_ours": torch_us / ours_us,
+            "compiled_over_ours": (compiled_us / ours_us) if compiled_us else None, "bitexact": exact,
+        })
+    return rows
+
+
+def host_overhead_rows(device: torch.device) -> List[Dict[str, Any]]:
+    """Host microseconds per call for a tiny bucket: the cost a hook pays on the training thread per bucket."""
+    src = torch.randn(1024, device=device)
+    out = torch.empty(1024, dtype=torch.bfloat16, device=device)
+    bound = bind_pack([src], out, 1.0 / WORLD)
+    candidates = [
+        ("ddp_triton bind_pack (bound launch)", bound),
+        ("ddp_triton pack() (checks + plan cache + launch)", lambda: pack([src], out, 1.0 / WORLD)),
+        ("torch copy_ (one elementwise op)", lambda: out.copy_(src)),
+        ("torch mul(...).to(bfloat16) (two ops)", lambda: src.mul(1.0 / WORLD).to(torch.bfloat16)),
+    ]
+    return [{"call": name, "host_us": host_us_per_call(fn, device)} for name, fn in candidates]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="pack/unpack kernels against torch and the copy ceiling")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run of this script")
+    p.add_argument("--sizes-mb", default="1,4,25,100,400", help="bucket sizes in MiB, comma separated")
+    p.add_argument("--quick", action="store_true", help="small sizes and a narrow GPT-2 (smoke run)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default bench/out)")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.kernels: no CUDA device here; nothing measured (use --device cpu for a smoke run)")
+        return 0
+    device = torch.device(args.device)
+    sizes = [float(s) for s in args.sizes_mb.split(",")]
+    shapes = gpt2_small_shapes()
+    if args.quick:
+        sizes, shapes = [s for s in sizes if s <= 4] or [1.0], gpt2_small_shapes(64, 1000, 64, 12)
+    env = environment(device)
+    ceiling = copy_ceiling_gbps(device, 1.0 if device.type == "cuda" and not args.quick else 1 / 64)
+    compile_ = not args.no_compile
+    buckets = bucket_rows(device, sizes, ceiling, compile_)
+    gradients = gradient_list_rows(device, shapes, ceiling, compile_)
+    host = host_overhead_rows(device)
+
+    bucket_table = format_table(
+        ["MiB", "op", "ours us", "GB/s", "of ceiling", "torch us", "compiled us", "ours/torch", "bit-exact"],
+        [[r["mb"], r["op"], r["ours_us"], r["ours_gbps"], f"{r['ours_of_ceiling']:.0%}", r["torch_us"],
+          r["compiled_us"], r["ours_over_torch"], r["bitexact"]] for r in buckets])
+    gradient_table = format_table(
+        ["tensors", "op", "ours us", "floor us", "ours/floor", "torch us", "torch/ours", "compiled us",
+         "compiled/ours", "bit-exact"],
+        [[r["tensors"], r["op"], r["ours_us"], r["floor_us"], r["ours_over_floor"], r["torch_us"],
+          r["torch_over_ours"], r["compiled_us"], r["compiled_over_ours"], r["bitexact"]] for r in gradients])
+    host_table = format_table(["call (1024 elements)", "host us/call"], [[r["call"], r["host_us"]] for r in host])
+    path = save_json("kernels", {"env": env, "copy_ceiling_gbps": ceiling, "buckets": buckets,
+                                 "gradient_list": gradients, "host": host}, args.out_dir)
+    print(f"{env}\ncopy ceiling: {ceiling:.0f} GB/s\n")
+    print(bucket_table, "\n", gradient_table, "\n", host_table, sep="\n")
+    print(f"\nsaved {path}")
+    if not args.no_results and device.type == "cuda":
+        append_results("bench/kernels.py", env, [f"Copy ceiling {ceiling:.0f} GB/s.", bucket_table,
+                                                 gradient_table, host_table])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
