@@ -1,0 +1,192 @@
+"""One process group per NCCL all-reduce algorithm, so each bucket can go to the algorithm its size calls for.
+
+NCCL reads ``NCCL_ALGO`` when a communicator is initialised (``ncclTopoTuneModel`` in src/graph/tuning.cc), not
+once per process. So for each algorithm a profile uses we create a process group over the same ranks with
+``NCCL_ALGO`` set only while its communicator comes up, force that initialisation (torch creates NCCL communicators
+lazily, at the first collective), and restore the environment. ``NCCL_PROTO`` is left alone: NCCL still picks
+the protocol within the algorithm.
+
+Rules a caller must keep: every rank of the default group calls ``make_algorithm_groups`` with the same algorithms
+(``torch.distributed.new_group`` is collective over the default group), and every rank must hold the same profile,
+which ``check_profile_agreement`` verifies (the hook's state calls it when it is built).
+
+Backends other than NCCL (gloo on CPU) have one all-reduce algorithm: every algorithm maps to the given group, and
+a warning says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .cost_model import ALGORITHMS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, parse_nccl_version
+from .log import info_rank0, warn_once
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps this importable where distributed is stubbed
+
+#: Length of the digest exchanged between ranks (sha256 hex).
+_DIGEST_LEN = 64
+_NO_PROFILE = "no-profile".ljust(_DIGEST_LEN, "-")
+
+
+def nccl_version() -> Optional[Tuple[int, int, int]]:
+    """NCCL version torch was built with, as (major, minor, patch); None in builds without NCCL (CPU wheels)."""
+    try:
+        return parse_nccl_version(torch.cuda.nccl.version())
+    except Exception:  # CPU builds have no torch._C._nccl_version
+        return None
+
+
+def _canonical(algorithms: Iterable[str]) -> List[str]:
+    algs = set()
+    for a in algorithms:
+        if a not in ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {a!r}; known: {', '.join(ALGORITHMS)}")
+        algs.add(a)
+    if not algs:
+        raise ValueError("no algorithms given")
+    return [a for a in ALGORITHMS if a in algs]
+
+
+def check_nccl_support(algorithms: Iterable[str], version: Optional[Tuple[int, int, int]],
+                       env: Mapping[str, str] = os.environ) -> None:
+    """Raise RuntimeError if this NCCL cannot run one of ``algorithms`` (too old, or NVLS switched off)."""
+    for a in _canonical(algorithms):
+        need = MIN_NCCL_VERSION[a]
+        if version is not None and tuple(version) < need:
+            raise RuntimeError(
+                f"the tuning profile uses all-reduce algorithm {a!r} (NCCL_ALGO={NCCL_ALGO_NAMES[a]}), which needs "
+                f"NCCL >= {'.'.join(map(str, need))}; torch here has NCCL {'.'.join(map(str, version))}. "
+                "Re-run `ddp-triton autotune` on this software stack.")
+        if a in ("nvls", "nvls_tree") and env.get("NCCL_NVLS_ENABLE", "").strip() == "0":
+            raise RuntimeError(f"the tuning profile uses {a!r} but NCCL_NVLS_ENABLE=0 switches NVLS off; unset it or "
+                               "re-run `ddp-triton autotune` with it set")
+
+
+@contextlib.contextmanager
+def scoped_env(updates: Mapping[str, Optional[str]],
+               env: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+    """Set (or, for None, unset) variables for the duration of the block, then restore exactly what was there."""
+    saved = {k: env.get(k) for k in updates}
+    try:
+        for k, v in updates.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                env.pop(k, None)
+            else:
+                env[k] = old
+
+
+def _force_init(group: ProcessGroup, device: torch.device) -> None:
+    """Run one tiny all-reduce on ``group`` and wait for it: NCCL communicators are created at first use."""
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _create_groups(algorithms: Sequence[str], ranks: List[int], backend: str,
+                   warmup: Callable[[ProcessGroup], None]) -> Dict[str, ProcessGroup]:
+    """For each algorithm in order: new group over ``ranks`` and its first collective, with NCCL_ALGO set."""
+    me = dist.get_rank()
+    groups: Dict[str, ProcessGroup] = {}
+    for a in algorithms:
+        name = NCCL_ALGO_NAMES[a]
+        with scoped_env({"NCCL_ALGO": name}):
+            group = dist.new_group(ranks=ranks, backend=backend)
+            if me in ranks:
+                try:
+                    warmup(group)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"could not bring up the communicator for all-reduce algorithm {a!r} (NCCL_ALGO={name}): "
+                        f"{e}. NCCL may not support it on this machine (NVLS needs NVSwitch, Hopper or later and a "
+                        "driver with multicast); re-run `ddp-triton autotune` here.") from e
+        if me in ranks:
+            groups[a] = group
+    return groups
+
+
+def make_algorithm_groups(algorithms: Iterable[str],
+                          process_group: Optional[ProcessGroup] = None) -> Dict[str, ProcessGroup]:
+    """A process group per algorithm over the ranks of ``process_group`` (default: the whole world).
+
+    NCCL: each group's communicator is initialised with ``NCCL_ALGO`` set to that algorithm; RuntimeError when NCCL
+    is too old for one of them or cannot bring it up. Other backends: every algorithm maps to ``process_group``
+    itself (one algorithm there), with a warning once. Must be called by all ranks of the default group, with the
+    same ``algorithms``. A rank outside ``process_group`` gets an empty dict.
+    """
+    algs = _canonical(algorithms)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    backend = str(dist.get_backend(pg)).lower()
+    if backend != "nccl":
+        warn_once(f"backend {backend!r} has one all-reduce algorithm: the profile's choice of "
+                  f"{', '.join(algs)} by size is recorded, but every bucket uses the same process group")
+        return {a: pg for a in algs}
+    check_nccl_support(algs, nccl_version())
+    ranks = dist.get_process_group_ranks(pg)
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = _create_groups(algs, ranks, "nccl", lambda g: _force_init(g, device))
+    info_rank0(f"created NCCL groups for all-reduce algorithms {', '.join(algs)} over {len(ranks)} ranks")
+    return groups
+
+
+def select_group(groups: Mapping[str, ProcessGroup], profile: Any, nbytes: int) -> ProcessGroup:
+    """The group an all-reduce of ``nbytes`` should use under ``profile`` (None profile: the only group)."""
+    if profile is None:
+        if len(groups) != 1:
+            raise ValueError(f"no profile to choose among groups {sorted(groups)}")
+        return next(iter(groups.values()))
+    alg = profile.algorithm_for(nbytes)
+    try:
+        return groups[alg]
+    except KeyError:
+        raise ValueError(f"the profile picks {alg!r} for {nbytes} bytes but there is no group for it "
+                         f"(groups: {sorted(groups)}); build groups from profile.algorithms()") from None
+
+
+def _digest_device(pg: ProcessGroup) -> torch.device:
+    if str(dist.get_backend(pg)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] = None) -> str:
+    """Verify every rank holds the same profile (or none); RuntimeError on every rank if not. Returns the digest.
+
+    Exchanges a fixed-size digest tensor with all_gather (works on gloo and NCCL, no pickling), so every rank sees
+    the same list and all of them fail together instead of some waiting on a collective the others never reach.
+    """
+    pg = process_group if process_group is not None else dist.group.WORLD
+    digest = profile.digest() if profile is not None else _NO_PROFILE
+    if len(digest) != _DIGEST_LEN:
+        raise ValueError(f"profile digest must be {_DIGEST_LEN} characters, got {digest!r}")
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return digest
+    device = _digest_device(pg)
+    mine = torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=pg)
+    digests = [bytes(t.cpu().tolist()).decode("ascii", "replace") for t in gathered]
+    if len(set(digests)) > 1:
+        ranks = dist.get_process_group_ranks(pg)
+        by_digest: Dict[str, List[int]] = {}
+        for r, d in zip(ranks, digests):
+            by_digest.setdefault(d, []).append(r)
+        parts = "; ".join(f"ranks {rs}: {'no profile' if d == _NO_PROFILE else d[:16]}"
+                          for d, rs in by_digest.items())
+        raise RuntimeError(
+            f"ranks disagree on the tuning profile ({parts}). Every rank must use the same profile (same file or "
+            "cache, same topology), or buckets would go to different algorithms and hang.")
+    return digest

@@ -1,0 +1,81 @@
+"""triton_hook following a tuning profile: each bucket goes to the group its size calls for, ranks must agree.
+
+Tier: gloo multi-process on CPU. Gloo has one all-reduce algorithm, so every algorithm maps to the same group (the
+choice is still made and recorded per bucket); the NCCL groups themselves are tested in test_algo_groups.py.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from dist_utils import run_workers
+from ddp_triton.profile import Profile, ProfileError, TableEntry
+from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
+
+SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
+
+
+def two_range_profile(world_size, comm_dtype="float32", split=SPLIT_BYTES):
+    return Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype=comm_dtype,
+                   bucket_cap_mb=1.0, table=[TableEntry(0, split, "tree"), TableEntry(split + 1, None, "ring")])
+
+
+def _dispatch_worker(rank, world_size):
+    model = make_model()
+    reference = train_reference(copy.deepcopy(model), steps=4)
+    ddp = DDP(model, bucket_cap_mb=0.002)  # buckets of a few KiB up to ~4 KiB and the larger layers alone
+    profile = two_range_profile(world_size)
+    state = ddp_triton.register(ddp, comm_dtype=torch.float32, profile=profile)
+    assert set(state.algorithm_groups) == {"ring", "tree"}
+    assert all(g is state.group for g in state.algorithm_groups.values())  # gloo: one group for all
+    train_ddp(ddp, rank, world_size, steps=4)
+    assert_params_close(ddp.module, reference, **FP32_TOL)
+    chosen = {e.comm.numel() * 4: e.algorithm for e in state.buckets.values()}
+    assert set(chosen.values()) == {"ring", "tree"}, f"sizes {chosen} should straddle the split"
+    for nbytes, algorithm in chosen.items():
+        assert algorithm == ("tree" if nbytes <= SPLIT_BYTES else "ring")
+
+
+def test_buckets_follow_the_profile_by_size():
+    torch_path_workers(_dispatch_worker, 2)
+
+
+def _disagreement_worker(rank, world_size):
+    profile = two_range_profile(world_size, split=SPLIT_BYTES + rank)  # each rank holds a different table
+    with pytest.raises(RuntimeError, match="ranks disagree on the tuning profile"):
+        ddp_triton.CommState(comm_dtype=torch.float32, profile=profile)
+
+
+def test_ranks_disagreeing_on_the_profile_all_fail():
+    torch_path_workers(_disagreement_worker, 2)
+
+
+def _files_worker(rank, world_size, tmp):
+    good = os.path.join(tmp, "good.json")
+    if rank == 0:
+        two_range_profile(world_size).save(good)
+    dist.barrier()
+    state = ddp_triton.CommState(comm_dtype=torch.float32, profile=good)
+    assert state.profile is not None and state.profile.algorithm_for(100) == "tree"
+
+    corrupt = os.path.join(tmp, "corrupt.json")
+    with open(corrupt, "w") as f:
+        f.write("{ not json")
+    # a corrupt file warns and falls back to the cost model, which needs NCCL: no profile on gloo
+    state = ddp_triton.CommState(comm_dtype=torch.float32, profile=corrupt)
+    assert state.profile is None and state.algorithm_groups == {}
+
+    with pytest.raises(ProfileError, match="world_size"):  # a Profile object is the caller's: a mismatch is an error
+        ddp_triton.CommState(comm_dtype=torch.float32, profile=two_range_profile(world_size + 1))
+    with pytest.raises(TypeError, match="profile must be"):
+        ddp_triton.CommState(profile=42)
+
+
+def test_profile_files_good_corrupt_and_mismatched(tmp_path):
+    torch_path_workers(_files_worker, 2, str(tmp_path))
