@@ -189,7 +189,8 @@ class Fabric:
         if self.arch not in KNOWN_ARCHES:
             raise ValueError(f"arch must be one of {KNOWN_ARCHES}, got {self.arch!r}")
         if self.ranks_per_node > 1 and not self.intra_gbps > 0:
-            raise ValueError(f"intra_gbps must be > 0 with {self.ranks_per_node} ranks per node, got {self.intra_gbps!r}")
+            raise ValueError(f"intra_gbps must be > 0 with {self.ranks_per_node} ranks per node, "
+                             f"got {self.intra_gbps!r}")
         if self.nodes > 1 and not self.inter_gbps > 0:
             raise ValueError(f"inter_gbps must be > 0 with {self.nodes} nodes, got {self.inter_gbps!r}")
 

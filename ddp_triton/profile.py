@@ -18,7 +18,8 @@ Schema, version 1 (``SCHEMA_VERSION``)::
       "table": [                                # chosen ranges, contiguous from 0; max_bytes inclusive,
         {"min_bytes": 0, "max_bytes": 1482910, "algorithm": "tree", "protocol": "LL128"},   # null = no bound
         {"min_bytes": 1482911, "max_bytes": null, "algorithm": "nvls_tree", "protocol": "Simple"}],
-      "topology_fingerprint": "...", "topology_name": "dgx-h100",
+      "topology_fingerprint": "...",            # profile_fingerprint(topology): the cache key
+      "topology_name": "dgx-h100",
       "backend": "nccl" | "gloo" | "model",
       "versions": {"ddp_triton": "0.1.0", "torch": "...", "nccl": "2.21.5", ...},
       "created": "2026-11-30T12:00:00+00:00",
@@ -32,6 +33,7 @@ Algorithm names are ``ddp_triton.cost_model.ALGORITHMS`` (ring, tree, nvls, nvls
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -377,6 +379,17 @@ def cache_dir() -> Path:
     """Where profiles are cached: ``$XDG_CACHE_HOME/ddp-triton``, else ``~/.cache/ddp-triton``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ddp-triton"
+
+
+def profile_fingerprint(topo: Any) -> str:
+    """The topology key of profiles: ``topo.fingerprint()`` with the inter-node rate left out.
+
+    NVML cannot see NICs, so the topology the hook reads has no inter-node rate, while ``autotune --model-only
+    --inter-node-gbps`` sets one; keying on the machine alone lets the hook find that profile.
+    """
+    if getattr(topo, "inter_node_gbps", None) is None:
+        return topo.fingerprint()
+    return dataclasses.replace(topo, inter_node_gbps=None).fingerprint()
 
 
 def cache_path(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Path:

@@ -1,0 +1,236 @@
+"""Making profiles: from the cost model, from timed all-reduces, or from timed training steps.
+
+* ``model_profile(topo)``: no GPU needed; the cost model's sweep over sizes x algorithms.
+* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``measure.run_sweep``).
+  On gloo there is one all-reduce algorithm; it is recorded as ``ring`` (gloo's CPU all-reduce is ring-based)
+  and the profile says so in ``notes``.
+* ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
+  ``measure.load_factory``) for candidate bucket sizes and hooks; the fastest wins.
+* ``write_nccl_tuner_csv``: the profile's table as the CSV NCCL's example tuner plugin reads.
+
+``measure_worker`` and ``e2e_worker`` are the entry points ``measure.spawn_local`` runs on each process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch.distributed as dist
+
+from . import cost_model as cm
+from .algo_groups import nccl_version
+from .measure import E2E_HOOKS, run_e2e, run_sweep
+from .profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, TableEntry, build_table,
+                      choose_bucket_cap_mb, format_bytes, profile_fingerprint, rows_for_dtype)
+
+#: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
+TUNER_MAX_BYTES = (1 << 64) - 1
+TUNER_CSV_HEADER = "collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks"
+#: dtype of the gradients DDP buckets hold; bucket_cap_mb counts those bytes.
+DEFAULT_GRAD_DTYPE = "float32"
+
+
+def software_versions() -> Dict[str, str]:
+    """Versions a profile records: ddp-triton, torch, triton, NCCL (when torch has it), Python."""
+    out: Dict[str, str] = {"python": platform.python_version()}
+    for dist_name, key in (("ddp-triton", "ddp_triton"), ("torch", "torch"), ("triton", "triton")):
+        try:
+            out[key] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    v = nccl_version()
+    if v is not None:
+        out["nccl"] = ".".join(map(str, v))
+    return out
+
+
+def _protocol_guesser(topo: Any, comm_dtype: str) -> Optional[Callable[[str, int], Optional[str]]]:
+    """The cost model's protocol per (algorithm, bytes) for this topology, or None if it cannot model it."""
+    if topo is None:
+        return None
+    try:
+        fabric = cm.Fabric.from_topology(topo)
+    except ValueError:
+        return None
+
+    def guess(algorithm: str, nbytes: int) -> Optional[str]:
+        try:
+            return cm.estimate(fabric, nbytes, algorithm, comm_dtype).protocol
+        except ValueError:
+            return None
+
+    return guess
+
+
+def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source: str, backend: str,
+                      world_size: int, nodes: int, comm_dtype: str, topo: Any = None,
+                      fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
+                      min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
+                      notes: Optional[List[str]] = None) -> Profile:
+    """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``."""
+    all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
+    comm_rows = rows_for_dtype(all_rows, comm_dtype)
+    if not comm_rows:
+        raise ValueError(f"no sweep rows in comm dtype {comm_dtype}")
+    # Protocols are NCCL's; a gloo measurement has none to guess.
+    guesser = _protocol_guesser(topo, comm_dtype) if backend in ("nccl", "model") else None
+    table = build_table(comm_rows, protocol_of=guesser)
+    mb, reason = choose_bucket_cap_mb(comm_rows, fraction=fraction, model_bytes=model_bytes,
+                                      min_buckets=min_buckets,
+                                      comm_ratio=cm.dtype_size(comm_dtype) / cm.dtype_size(grad_dtype))
+    return Profile(source=source, backend=backend, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
+                   bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
+                   topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
+                   topology_name=topo.name if topo is not None else "", versions=software_versions(),
+                   notes=list(notes or []))
+
+
+def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Sequence[int]] = None,
+                  fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
+                  min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE) -> Profile:
+    """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env)."""
+    comm_dtype = cm.normalize_dtype(comm_dtype)
+    fabric = cm.Fabric.from_topology(topo)
+    sizes = list(sizes) if sizes is not None else cm.default_sizes()
+    sizes = [s for s in sizes if s % cm.dtype_size(comm_dtype) == 0]
+    rows = [e.row(comm_dtype) for e in cm.sweep(fabric, sizes, comm_dtype)]
+    notes = [f"cost model: {fabric.ranks_per_node} ranks x {fabric.nodes} node(s), intra {fabric.intra_gbps:g} GB/s "
+             f"{fabric.intra_link}, inter {fabric.inter_gbps:g} GB/s per node, {fabric.arch}"]
+    return profile_from_rows(rows, source="model", backend="model", world_size=fabric.world_size,
+                             nodes=fabric.nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
+                             model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes)
+
+
+def default_algorithms(topo: Any, backend: str, comm_dtype: str = "bfloat16") -> List[str]:
+    """What a measurement sweeps: one ("ring") on gloo; on NCCL what the model says NCCL can run here."""
+    if backend != "nccl":
+        return ["ring"]
+    if topo is None:
+        return ["ring", "tree"]
+    return cm.available_algorithms(cm.Fabric.from_topology(topo), comm_dtype, nccl_version())
+
+
+def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
+                    algorithms: Optional[Sequence[str]] = None, comm_dtype: str = "bfloat16",
+                    dtypes: Optional[Sequence[str]] = None, warmup: int = 5, iters: int = 20,
+                    fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
+                    min_buckets: int = DEFAULT_MIN_BUCKETS, progress: bool = True) -> Profile:
+    """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
+
+    ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
+    algorithm is recorded as ``ring``.
+    """
+    backend = str(dist.get_backend()).lower()
+    comm_dtype = cm.normalize_dtype(comm_dtype)
+    dtypes = [cm.normalize_dtype(d) for d in (dtypes or [comm_dtype])]
+    if comm_dtype not in dtypes:
+        dtypes.append(comm_dtype)
+    sizes = list(sizes) if sizes is not None else cm.default_sizes()
+    algs = list(algorithms) if algorithms else default_algorithms(topo, backend, comm_dtype)
+    notes = []
+    if backend != "nccl":
+        if algs != ["ring"]:
+            raise ValueError(f"backend {backend!r} has one all-reduce algorithm; cannot sweep {algs}")
+        notes.append(f"backend {backend}: one all-reduce algorithm, recorded as 'ring'")
+    rows = run_sweep(sizes, algs, dtypes, warmup=warmup, iters=iters, progress=progress)
+    world = dist.get_world_size()
+    nodes = topo.nodes if topo is not None and world % topo.nodes == 0 else 1
+    notes.append(f"measured: {warmup} warm-up + {iters} timed all-reduces per point, slowest rank's median")
+    return profile_from_rows(rows, source="measured", backend="nccl" if backend == "nccl" else "gloo",
+                             world_size=world, nodes=nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
+                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes)
+
+
+def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str) -> Profile:
+    """A one-range ring profile, for e2e on a machine the model cannot describe (no topology)."""
+    return Profile(source="model", backend=backend if backend in ("nccl", "gloo") else "model",
+                   world_size=world_size, nodes=nodes, comm_dtype=comm_dtype, bucket_cap_mb=25.0,
+                   bucket_reason="no topology to model: DDP's default 25 MiB", table=[TableEntry(0, None, "ring")],
+                   versions=software_versions(), notes=["no topology: one range, ring"])
+
+
+def e2e_profile(factory: str, base: Profile, bucket_mbs: Optional[Sequence[float]] = None,
+                hooks: Sequence[str] = E2E_HOOKS, warmup: int = 3, steps: int = 10) -> Profile:
+    """Time DDP training steps (every rank calls this) and return ``base`` turned into an ``e2e`` profile.
+
+    Candidates: each hook in ``hooks`` x each bucket size (default: ``measure.e2e_bucket_candidates`` around the
+    base profile's choice, bounded by the model's size). The winner's bucket size becomes ``bucket_cap_mb``; its
+    hook is in ``e2e["winner"]`` (comm_dtype float32 when the winner is DDP's own fp32 all-reduce).
+    """
+    for h in hooks:
+        if h not in E2E_HOOKS:
+            raise ValueError(f"unknown hook {h!r}; known: {', '.join(E2E_HOOKS)}")
+    result = run_e2e(factory, bucket_mbs, hooks, warmup, steps, base.to_dict())
+    win = result["winner"]
+    timed = [c for c in result["candidates"] if "step_ms" in c]
+    d = base.to_dict()
+    d.update(source="e2e", bucket_cap_mb=win["bucket_cap_mb"], e2e=result,
+             comm_dtype="float32" if win["hook"] == "allreduce" else base.comm_dtype,
+             world_size=dist.get_world_size(), versions=software_versions())
+    d["bucket_reason"] = (f"fastest of {len(timed)} timed DDP configurations: hook {win['hook']}, bucket_cap_mb "
+                          f"{win['bucket_cap_mb']:g}: {win['step_ms']:.3f} ms/step (slowest rank's median of "
+                          f"{steps} steps)")
+    d["notes"] = list(base.notes) + [f"e2e: base table from a {base.source} profile"]
+    return Profile.from_dict(d)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Spawn entry points (run on every process by measure.spawn_local, or in place under torchrun)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _topo_from(config: Dict[str, Any]) -> Any:
+    if not config.get("topology"):
+        return None
+    from .topology import Topology
+
+    return Topology.from_dict(config["topology"])
+
+
+def measure_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Run ``measure_profile`` with ``config``'s keyword arguments; the profile as a dict."""
+    kwargs = {k: v for k, v in config.items() if k != "topology"}
+    return measure_profile(topo=_topo_from(config), **kwargs).to_dict()
+
+
+def e2e_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Run ``e2e_profile`` with ``config`` (``factory``, ``base`` profile dict, and its keyword arguments)."""
+    kwargs = {k: v for k, v in config.items() if k not in ("factory", "base")}
+    return e2e_profile(config["factory"], Profile.from_dict(config["base"]), **kwargs).to_dict()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# NCCL tuner plugin CSV
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
+    """Write the table as the CSV of NCCL's example tuner plugin (plugins/tuner/example, ``NCCL_TUNER_CONFIG_FILE``).
+
+    One ``allreduce`` row per range: ``collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks``
+    with channels -1 (NCCL's choice) and the profile's nodes and world size. The plugin needs a protocol per row;
+    a range without one (measured without a topology to model protocols) is a ValueError.
+    """
+    missing = [t for t in profile.table if t.protocol is None]
+    if missing:
+        raise ValueError(f"{len(missing)} of the profile's ranges have no protocol (measured without a topology); "
+                         "NCCL's tuner CSV needs one per row: re-run autotune with --topology")
+    lines = [f"# ddp-triton {profile.source} profile {profile.digest()[:16]}, {profile.created}",
+             f"# {TUNER_CSV_HEADER}"]
+    for t in profile.table:
+        hi = TUNER_MAX_BYTES if t.max_bytes is None else t.max_bytes
+        lines.append(f"allreduce,{t.min_bytes},{hi},{t.algorithm},{t.protocol.lower()},-1,"  # type: ignore[union-attr]
+                     f"{profile.nodes},{profile.world_size}")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def describe_table(profile: Profile) -> str:
+    """One line per range, for logs."""
+    return "; ".join(f"{format_bytes(t.min_bytes)}..{'inf' if t.max_bytes is None else format_bytes(t.max_bytes)}"
+                     f" {t.algorithm}" for t in profile.table)

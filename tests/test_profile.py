@@ -1,0 +1,266 @@
+"""Profile: schema validation, JSON round trip, corrupt and mismatched files, cache, table and bucket choice.
+
+Tier: no device (pure Python, files in tmp_path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from ddp_triton import log
+from ddp_triton.autotune import model_profile
+from ddp_triton.profile import (MiB, Profile, ProfileError, SweepRow, TableEntry, build_table, cache_dir, cache_path,
+                                choose_bucket_cap_mb, ddp_kwargs, find_cached_profile, load_profile,
+                                profile_fingerprint)
+from ddp_triton.topology import apply_launch_env, load_topology
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch, tmp_path):
+    log._reset_warn_once()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("RANK", raising=False)
+
+
+@pytest.fixture(scope="module")
+def h100x2():
+    topo = apply_launch_env(load_topology("dgx-h100"), nodes=2, env={})
+    return topo, model_profile(topo)
+
+
+def row(nbytes, alg, time_us, busbw=None, **kw):
+    algbw = nbytes / (time_us * 1e3)
+    return SweepRow(nbytes, alg, time_us, algbw, algbw if busbw is None else busbw, **kw)
+
+
+def small_profile(**kw) -> Profile:
+    args = dict(source="measured", world_size=2, nodes=1, comm_dtype="bfloat16", bucket_cap_mb=25.0,
+                table=[TableEntry(0, 4096, "tree"), TableEntry(4097, None, "ring")])
+    args.update(kw)
+    return Profile(**args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Round trip and queries
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_model_profile_round_trip(h100x2, tmp_path):
+    topo, prof = h100x2
+    path = prof.save(tmp_path / "p.json")
+    again = load_profile(path)
+    assert again.to_dict() == prof.to_dict()
+    assert again.digest() == prof.digest()
+    assert json.loads(path.read_text())["schema_version"] == 1
+    # Every size x algorithm evaluated, 1 KiB .. 1 GiB.
+    sizes = sorted({r.nbytes for r in again.sweep})
+    assert sizes[0] == 1024 and sizes[-1] == 1 << 30
+    assert len(again.sweep) == len(sizes) * 3  # ring, tree, nvls_tree
+    assert again.topology_fingerprint == profile_fingerprint(topo)
+    assert again.source == "model" and again.world_size == 16 and again.nodes == 2
+
+
+def test_algorithm_for_at_range_edges():
+    p = small_profile(table=[TableEntry(0, 1000, "tree"), TableEntry(1001, 5000, "ring"),
+                             TableEntry(5001, None, "nvls")])
+    assert [p.algorithm_for(n) for n in (0, 1, 1000, 1001, 5000, 5001, 1 << 40)] == \
+        ["tree", "tree", "tree", "ring", "ring", "nvls", "nvls"]
+    assert p.algorithms() == ["ring", "tree", "nvls"]  # canonical order, not table order
+
+
+def test_digest_covers_behaviour_not_metadata():
+    a = small_profile(created="2020-01-01T00:00:00+00:00", versions={"torch": "1"}, notes=["a"])
+    b = small_profile(created="2030-01-01T00:00:00+00:00", versions={"torch": "2"}, notes=["b"],
+                      sweep=[row(1024, "ring", 10.0)])
+    assert a.digest() == b.digest()
+    assert a.digest() != small_profile(bucket_cap_mb=26.0).digest()
+    assert a.digest() != small_profile(table=[TableEntry(0, 4095, "tree"), TableEntry(4096, None, "ring")]).digest()
+    assert len(a.digest()) == 64
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation and corrupt files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,bad", [
+    pytest.param(dict(source="guess"), "guess", id="source"),
+    pytest.param(dict(world_size=0), "0", id="world-size"),
+    pytest.param(dict(world_size=3, nodes=2), "multiple", id="world-not-multiple-of-nodes"),
+    pytest.param(dict(comm_dtype="complex64"), "complex64", id="dtype"),
+    pytest.param(dict(bucket_cap_mb=-1.0), "-1.0", id="bucket-negative"),
+    pytest.param(dict(bucket_cap_mb=float("nan")), "nan", id="bucket-nan"),
+    pytest.param(dict(table=[]), "at least one", id="table-empty"),
+    pytest.param(dict(table=[TableEntry(1, None, "ring")]), "start at 0", id="table-start"),
+    pytest.param(dict(table=[TableEntry(0, 10, "ring"), TableEntry(12, None, "tree")]), "contiguous", id="gap"),
+    pytest.param(dict(table=[TableEntry(0, 10, "ring")]), "unbounded", id="bounded-end"),
+    pytest.param(dict(backend="mpi"), "mpi", id="backend"),
+])
+def test_validation_names_the_offending_value(kw, bad):
+    with pytest.raises(ValueError, match=bad):
+        small_profile(**kw)
+
+
+def test_rows_and_entries_validate():
+    with pytest.raises(ValueError, match="collnet"):
+        TableEntry(0, None, "collnet")
+    with pytest.raises(ValueError, match="LL64"):
+        TableEntry(0, None, "ring", "LL64")
+    with pytest.raises(ValueError, match="inf"):
+        SweepRow(1024, "ring", float("inf"), 1.0, 1.0)
+    with pytest.raises(ValueError, match="-5"):
+        SweepRow(-5, "ring", 1.0, 1.0, 1.0)
+
+
+def _corrupt_variants(good: dict):
+    yield "not-json", "{ this is not json"
+    yield "truncated", json.dumps(good)[:-40]
+    yield "array", "[1, 2, 3]"
+    d = dict(good, schema_version=2)
+    yield "future-schema", json.dumps(d)
+    d = dict(good)
+    del d["table"]
+    yield "missing-table", json.dumps(d)
+    d = json.loads(json.dumps(good))
+    d["table"][0]["algorithm"] = "collnet"
+    yield "bad-algorithm", json.dumps(d)
+    d = json.loads(json.dumps(good))
+    d["sweep"] = [{"bytes": "many"}]
+    yield "bad-row", json.dumps(d)
+    yield "not-utf8", b"\xff\xfe\x00garbage"
+
+
+def test_corrupt_files_raise_profile_error_naming_the_file(tmp_path):
+    good = small_profile(sweep=[row(1024, "ring", 10.0)]).to_dict()
+    for name, content in _corrupt_variants(good):
+        path = tmp_path / f"{name}.json"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        with pytest.raises(ProfileError) as ei:
+            Profile.load(path)
+        assert str(path) in str(ei.value), name
+        assert ei.value.path == str(path)
+    with pytest.raises(ProfileError, match="cannot read"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_save_is_atomic_and_makes_directories(tmp_path):
+    p = small_profile()
+    path = p.save(tmp_path / "a" / "b" / "p.json")
+    assert load_profile(path).digest() == p.digest()
+    assert [x.name for x in path.parent.iterdir()] == ["p.json"]  # no temp file left behind
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_cache_dir_follows_xdg(tmp_path, monkeypatch):
+    assert cache_dir() == tmp_path / "cache" / "ddp-triton"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "ddp-triton"
+
+
+def test_find_cached_profile(h100x2):
+    topo, prof = h100x2
+    fp = profile_fingerprint(topo)
+    assert find_cached_profile(fp, 16, 2, "bfloat16") is None  # nothing cached yet
+    prof.save(cache_path(fp, 16, 2, "bfloat16"))
+    found = find_cached_profile(fp, 16, 2, "bf16")
+    assert found is not None and found.digest() == prof.digest()
+    assert find_cached_profile(fp, 8, 1, "bfloat16") is None  # another world size: another file
+
+
+def test_profile_fingerprint_ignores_the_inter_node_rate(h100x2):
+    # The hook reads the machine through NVML, which sees no NICs; autotune may have been told the NIC rate.
+    topo, prof = h100x2
+    as_nvml_sees_it = dataclasses.replace(topo, inter_node_gbps=None)
+    assert profile_fingerprint(topo) == profile_fingerprint(as_nvml_sees_it) == as_nvml_sees_it.fingerprint()
+    assert prof.topology_fingerprint == as_nvml_sees_it.fingerprint()
+    assert profile_fingerprint(topo) != profile_fingerprint(dataclasses.replace(topo, nodes=3))
+
+
+def test_cached_corrupt_or_mismatched_profile_warns_and_returns_none(h100x2, caplog):
+    topo, prof = h100x2
+    fp = profile_fingerprint(topo)
+    path = cache_path(fp, 16, 2, "bfloat16")
+    path.parent.mkdir(parents=True)
+    path.write_text("{ broken")
+    with caplog.at_level(logging.WARNING, logger="ddp_triton"):
+        assert find_cached_profile(fp, 16, 2, "bfloat16") is None
+    assert str(path) in caplog.text and "cost model" in caplog.text
+    # A file under this key whose content is for another world size (copied by hand, say).
+    small_profile().save(path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddp_triton"):
+        assert find_cached_profile(fp, 16, 2, "bfloat16") is None
+    assert "world_size" in caplog.text or "topology_fingerprint" in caplog.text
+
+
+def test_check_matches_names_the_field():
+    p = small_profile()
+    with pytest.raises(ProfileError, match="world_size=2"):
+        p.check_matches(world_size=4, path="x.json")
+    p.check_matches(world_size=2, nodes=1, comm_dtype="bf16")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Table and bucket size
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_build_table_boundaries_and_ties():
+    rows = [row(1024, "tree", 10.0), row(1024, "ring", 20.0),
+            row(2048, "tree", 10.2), row(2048, "ring", 10.0),  # ring 2% faster: a tie, tree kept
+            row(4096, "tree", 30.0), row(4096, "ring", 20.0),  # ring clearly faster
+            row(8192, "tree", 40.0), row(8192, "ring", 30.0)]
+    t = build_table(rows)
+    assert [(e.min_bytes, e.max_bytes, e.algorithm) for e in t] == [(0, 2896, "tree"), (2897, None, "ring")]
+    # floor(sqrt(2048 * 4096)) = 2896: the geometric midpoint between the last tree size and the first ring size.
+    assert build_table(rows, tie_tolerance=0.0)[0].max_bytes == 1448
+
+
+def test_build_table_uses_protocol_guess_and_splits_on_it():
+    rows = [row(s, "ring", float(s)) for s in (1024, 2048, 4096)]
+    t = build_table(rows, protocol_of=lambda a, n: "LL" if n < 4096 else "Simple")
+    assert [(e.algorithm, e.protocol) for e in t] == [("ring", "LL"), ("ring", "Simple")]
+
+
+def test_choose_bucket_cap_mb():
+    # busbw rises with size and saturates at 100 GB/s; 90% is first reached at 16 MiB.
+    rows = [row(s << 20, "ring", 1.0, busbw=b) for s, b in ((1, 20.0), (4, 60.0), (16, 91.0), (64, 100.0))]
+    mb, why = choose_bucket_cap_mb(rows)
+    assert mb == 16.0 and "90%" in why and "16 MiB" in why
+    assert choose_bucket_cap_mb(rows, fraction=0.5)[0] == 4.0
+    # fp32 gradients sent as bf16: a 16 MiB message holds 32 MiB of gradients.
+    assert choose_bucket_cap_mb(rows, comm_ratio=0.5)[0] == 32.0
+    # A 40 MiB model must still split into 4 buckets: 10 MiB.
+    mb, why = choose_bucket_cap_mb(rows, model_bytes=40 * MiB, min_buckets=4)
+    assert mb == 10.0 and "4 buckets" in why
+    with pytest.raises(ValueError, match="1.5"):
+        choose_bucket_cap_mb(rows, fraction=1.5)
+    one_rank = [row(1 << 20, "ring", 1.0, busbw=0.0)]
+    assert choose_bucket_cap_mb(one_rank)[0] == 25.0
+
+
+def test_ddp_kwargs_bounds_by_model():
+    import torch
+
+    p = small_profile(bucket_cap_mb=100.0)
+    assert ddp_kwargs(p) == {"bucket_cap_mb": 100.0}
+    model = torch.nn.Linear(1024, 1024)  # (1024*1024 + 1024) fp32 = 4.004 MiB of gradients
+    assert ddp_kwargs(p, model, min_buckets=4) == {"bucket_cap_mb": pytest.approx(1.001, rel=1e-3)}
+
+
+def test_summary_mentions_the_essentials(h100x2):
+    _, prof = h100x2
+    s = prof.summary()
+    assert "bucket_cap_mb" in s and "nvls_tree" in s and "DDP arguments" in s
