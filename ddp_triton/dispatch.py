@@ -10,7 +10,7 @@ import os
 from typing import Any, Optional
 
 from .log import logger, warn_once
-from .profile import Profile, ProfileError, find_cached_profile, load_profile
+from .profile import Profile, ProfileError, find_cached_profile, load_profile, profile_fingerprint
 
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -58,7 +58,7 @@ def resolve_profile(spec: Any, state: Any) -> Optional[Profile]:
         topology = _this_topology(state)
         if topology is None:
             return None
-        return find_cached_profile(topology.fingerprint(), state.world_size, topology.nodes,
+        return find_cached_profile(profile_fingerprint(topology), state.world_size, topology.nodes,
                                    dtype_name(state.comm_dtype))
     if isinstance(spec, (str, os.PathLike)):
         try:
