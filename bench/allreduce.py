@@ -45,7 +45,7 @@ def _topology(spec: Optional[str], world: int) -> Any:
         return apply_launch_env(load_topology(spec), world_size=world)
     except (TopologyError, ValueError) as e:
         if spec is not None:
-            raise SystemExit(f"bench.allreduce: error: {e}")
+            raise SystemExit(f"bench.allreduce: error: {e}") from None
         print(f"no topology for the model column: {e}", file=sys.stderr)
         return None
 

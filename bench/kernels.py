@@ -59,37 +59,44 @@ def _maybe_compile(fn: Callable, enabled: bool) -> Optional[Callable]:
     return torch.compile(fn) if enabled else None
 
 
+def _bucket_case(device: torch.device, mb: float, ceiling: float, compiled_pre: Optional[Callable],
+                 compiled_post: Optional[Callable]) -> List[Dict[str, Any]]:
+    """Pack and unpack rows for one flat float32 bucket of ``mb`` MiB."""
+    n = int(mb * MiB) // 4
+    buf = torch.randn(n, device=device)
+    comm = torch.empty(n, dtype=torch.bfloat16, device=device)
+    ours_pack = bind_pack([buf], comm, 1.0 / WORLD)
+    ours_unpack = bind_unpack(comm, [buf], 1.0)
+    ours_pack()
+    expected = buf.float().mul(1.0 / WORLD).to(torch.bfloat16)
+    exact = bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))
+    nbytes = n * (4 + 2)
+    floor_us = nbytes / ceiling / 1e3
+    cases = [
+        ("pack", ours_pack, lambda: buf.to(torch.bfloat16).div_(WORLD),
+         (lambda: compiled_pre(buf)) if compiled_pre else None),
+        ("unpack", ours_unpack, lambda: buf.copy_(comm), (lambda: compiled_post(comm)) if compiled_post else None),
+    ]
+    rows = []
+    for op, ours, theirs, compiled in cases:
+        ours_us = bench_us(ours, device)
+        torch_us = bench_us(theirs, device)
+        compiled_us = bench_us(compiled, device) if compiled else None
+        rows.append({
+            "mb": mb, "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
+            "compiled_us": compiled_us, "floor_us": floor_us, "ours_gbps": nbytes / ours_us / 1e3,
+            "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact,
+        })
+    return rows
+
+
 def bucket_rows(device: torch.device, sizes_mb: List[float], ceiling: float, compile_: bool) -> List[Dict[str, Any]]:
     """One flat float32 bucket per size: pack (to bf16, /N) and unpack (to fp32), ours beside torch's."""
     compiled_pre = _maybe_compile(lambda b: (b * (1.0 / WORLD)).to(torch.bfloat16), compile_)
     compiled_post = _maybe_compile(lambda c: c.float(), compile_)
     rows = []
     for mb in sizes_mb:
-        n = int(mb * MiB) // 4
-        buf = torch.randn(n, device=device)
-        comm = torch.empty(n, dtype=torch.bfloat16, device=device)
-        ours_pack = bind_pack([buf], comm, 1.0 / WORLD)
-        ours_unpack = bind_unpack(comm, [buf], 1.0)
-        ours_pack()
-        expected = buf.float().mul(1.0 / WORLD).to(torch.bfloat16)
-        exact = bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))
-        nbytes = n * (4 + 2)
-        floor_us = nbytes / ceiling / 1e3
-        cases = [
-            ("pack", ours_pack, lambda: buf.to(torch.bfloat16).div_(WORLD),
-             (lambda: compiled_pre(buf)) if compiled_pre else None),
-            ("unpack", ours_unpack, lambda: buf.copy_(comm), (lambda: compiled_post(comm)) if compiled_post else None),
-        ]
-        for op, ours, theirs, compiled in cases:
-            ours_us = bench_us(ours, device)
-            torch_us = bench_us(theirs, device)
-            compiled_us = bench_us(compiled, device) if compiled else None
-            rows.append({
-                "mb": mb, "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
-                "compiled_us": compiled_us, "floor_us": floor_us, "ours_gbps": nbytes / ours_us / 1e3,
-                "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact,
-            })
-        del buf, comm
+        rows += _bucket_case(device, mb, ceiling, compiled_pre, compiled_post)
     return rows
 
 

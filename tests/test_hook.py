@@ -5,10 +5,8 @@ kernels (TRITON_INTERPRET=0 in the workers, as in CPU production); the interpret
 to end. The reference is always a plain single process on the full batch (the DDP equivalence).
 """
 
-import contextlib
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -19,29 +17,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from dist_utils import run_workers
+from ddp_triton.algo_groups import scoped_env
 from ddp_triton.state import split_average
 
 BATCH = 16
 IN, HIDDEN, OUT = 8, 32, 4
 
 
-@contextlib.contextmanager
-def worker_env(**values):
-    """Environment the spawned workers start with (Triton reads TRITON_INTERPRET when the kernels are imported)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def torch_path_workers(fn, world_size, *args):
-    with worker_env(TRITON_INTERPRET="0"):
+    """Workers on the kernels' torch CPU path, as in CPU production (they read TRITON_INTERPRET at import)."""
+    with scoped_env({"TRITON_INTERPRET": "0"}):
         run_workers(fn, world_size, *args, timeout=120)
 
 
@@ -128,7 +113,7 @@ def _interpreter_worker(rank, world_size):
 
 
 def test_triton_kernel_end_to_end_under_interpreter():
-    with worker_env(TRITON_INTERPRET="1"):
+    with scoped_env({"TRITON_INTERPRET": "1"}):
         run_workers(_interpreter_worker, 2, timeout=240)
 
 

@@ -10,11 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from dist_utils import run_workers
 from ddp_triton.profile import Profile, ProfileError, TableEntry
 from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
 
