@@ -2,7 +2,8 @@
 
 Each worker gets its own process (torch.multiprocessing, spawn), a FileStore in a fresh temporary directory (no
 port to collide with), and runs ``fn(rank, world_size, *args)``. A worker's exception is re-raised in the test with
-its traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI.
+its traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI; a worker
+that dies without reporting (a crash) fails the test too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -32,6 +34,12 @@ def _worker(rank: int, world_size: int, store_path: str, results: Any, fn: Calla
         results.put((rank, None))
     except BaseException:  # everything, assertion errors included, goes back to the test
         results.put((rank, traceback.format_exc()))
+    # Flush the report, then leave without running interpreter teardown: gloo's background threads sometimes
+    # abort there ("Resource deadlock avoided") after the work is done and reported, which says nothing about
+    # the code under test.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> None:
@@ -44,17 +52,23 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        failures, finished = [], 0
+        failures, reported = [], set()
+        deadline = time.monotonic() + timeout
         try:
-            while finished < world_size:
+            while len(reported) < world_size and not failures:
                 try:
-                    rank, error = results.get(timeout=timeout)
+                    rank, error = results.get(timeout=0.5)
                 except queue.Empty:
-                    raise WorkerError(f"workers did not finish within {timeout} s (hang?)") from None
-                finished += 1
+                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+                    if dead:  # died without a report: a crash, not an exception
+                        failures.append(f"ranks {dead} died without reporting (exit codes "
+                                        f"{[procs[r].exitcode for r in dead]})")
+                    elif time.monotonic() > deadline:
+                        raise WorkerError(f"workers did not finish within {timeout} s (hang?)") from None
+                    continue
+                reported.add(rank)
                 if error is not None:
-                    failures.append(f"rank {rank} failed:\n{error}")
-                    break  # the others may now wait forever on the failed rank: stop them
+                    failures.append(f"rank {rank} failed:\n{error}")  # the others may now wait on it forever
         finally:
             for p in procs:
                 p.join(timeout=5 if not failures else 0.5)

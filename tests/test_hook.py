@@ -99,8 +99,9 @@ def test_ddp_equivalence_float32(world_size, gabv):
     torch_path_workers(_equivalence_worker, world_size, gabv, 0.002, False)
 
 
-def test_ddp_equivalence_static_graph():
-    torch_path_workers(_equivalence_worker, 2, True, 0.002, True)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_equivalence_static_graph(world_size):
+    torch_path_workers(_equivalence_worker, world_size, True, 0.002, True)
 
 
 def _interpreter_worker(rank, world_size):
@@ -168,8 +169,9 @@ def _no_sync_worker(rank, world_size):
     assert_params_close(ddp.module, reference, **FP32_TOL)
 
 
-def test_gradient_accumulation_with_no_sync():
-    torch_path_workers(_no_sync_worker, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradient_accumulation_with_no_sync(world_size):
+    torch_path_workers(_no_sync_worker, world_size)
 
 
 class Branchy(nn.Module):
@@ -205,8 +207,9 @@ def _unused_parameters_worker(rank, world_size):
     assert_params_close(ddp.module, reference, **FP32_TOL)
 
 
-def test_find_unused_parameters():
-    torch_path_workers(_unused_parameters_worker, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_find_unused_parameters(world_size):
+    torch_path_workers(_unused_parameters_worker, world_size)
 
 
 def _subgroup_worker(rank, world_size):
@@ -243,7 +246,7 @@ def _join_worker(rank, world_size):
     ddp_triton.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with ddp.join():
-        for step in range(3 + 2 * rank):  # rank 1 has two more batches than rank 0
+        for step in range(3 + 2 * rank):  # every rank has two more batches than the one before
             x, y = make_data(step)
             opt.zero_grad()
             nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
@@ -255,8 +258,9 @@ def _join_worker(rank, world_size):
     assert all(torch.equal(gathered[0], g) for g in gathered)
 
 
-def test_uneven_inputs_under_join():
-    torch_path_workers(_join_worker, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_uneven_inputs_under_join(world_size):
+    torch_path_workers(_join_worker, world_size)
 
 
 class TwoDtypes(nn.Module):
@@ -290,8 +294,9 @@ def _dtypes_worker(rank, world_size):
             torch.testing.assert_close(p.grad.float(), q.grad, atol=0.05, rtol=0.05)
 
 
-def test_bfloat16_model_and_mixed_dtypes():
-    torch_path_workers(_dtypes_worker, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bfloat16_model_and_mixed_dtypes(world_size):
+    torch_path_workers(_dtypes_worker, world_size)
 
 
 def _memory_worker(rank, world_size):
@@ -333,8 +338,9 @@ def _compiled_worker(rank, world_size):
         train_ddp(other, rank, world_size, steps=2)
 
 
-def test_torch_compiled_module():
-    torch_path_workers(_compiled_worker, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torch_compiled_module(world_size):
+    torch_path_workers(_compiled_worker, world_size)
 
 
 def _bad_input_worker(rank, world_size):

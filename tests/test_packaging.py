@@ -1,0 +1,37 @@
+"""The package layout: ``kernels/`` is installed as ``ddp_triton.kernels`` from a built wheel, not as ``kernels``.
+
+Tier: no device. Builds the wheel with the installed setuptools (no network), then imports from its files alone.
+"""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_kernels_into_the_package(tmp_path):
+    pytest.importorskip("setuptools")
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = tmp_path.glob("ddp_triton-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ddp_triton/kernels/convert.py" in names and "ddp_triton/hook.py" in names
+    assert not any(n.startswith("kernels/") for n in names), "a top-level `kernels` package would clash on PyPI"
+    assert any(n.endswith("entry_points.txt") for n in names)
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = dict(os.environ, PYTHONPATH=str(site), TRITON_INTERPRET="0")
+    probe = "import ddp_triton.kernels as k, ddp_triton; print(k.__file__); print(ddp_triton.triton_hook.__name__)"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels_file, hook_name = run.stdout.split()
+    assert Path(kernels_file).is_relative_to(site) and hook_name == "triton_hook"
