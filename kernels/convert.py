@@ -1,4 +1,5 @@
-"""The one Triton kernel behind pack and unpack: a flat work list of (source, destination, length) blocks.
+"""The Triton kernels behind pack and unpack: a flat work list of (source, destination, length) blocks, and its
+special case of one contiguous run (a DDP bucket), whose block offsets follow from the program id.
 
 Each program converts one block: it reads ``length <= BLOCK`` elements at ``src_base + src_offset``, multiplies by
 ``scale`` in float32, rounds once (round-to-nearest-even) to the destination dtype and writes the bit pattern at
@@ -78,6 +79,25 @@ if _triton.AVAILABLE:
         return bits, stored
 
     @triton.jit
+    def _convert_block(src, dst, length, item, scale, stats, BLOCK: tl.constexpr, APPLY_SCALE: tl.constexpr,
+                       SRC_BF16: tl.constexpr, OUT_KIND: tl.constexpr, STATS: tl.constexpr):
+        """Convert ``length <= BLOCK`` elements from ``src`` (pointer block) to ``dst``; optional stats at ``item``."""
+        if length == BLOCK:  # full blocks go unmasked so that loads and stores vectorise
+            bits, stored = _convert(_load_fp32(src, None, SRC_BF16, False), scale, APPLY_SCALE, OUT_KIND)
+            tl.store(dst, bits)
+        else:
+            mask = tl.arange(0, BLOCK) < length
+            x = _load_fp32(src, mask, SRC_BF16, True)
+            bits, stored = _convert(x, scale, APPLY_SCALE, OUT_KIND)
+            tl.store(dst, bits, mask=mask)
+            stored = tl.where(mask, stored, 0.0)
+        if STATS:
+            # One partial per block, summed later in a fixed order: deterministic, no atomics.
+            nonfinite = (stored != stored) | (tl.abs(stored) == float("inf"))
+            tl.store(stats + item * 2, tl.sum(stored * stored, axis=0))
+            tl.store(stats + item * 2 + 1, tl.sum(nonfinite.to(tl.float32), axis=0))
+
+    @triton.jit
     def _worklist_convert_kernel(
         src_base,
         dst_base,
@@ -91,6 +111,7 @@ if _triton.AVAILABLE:
         OUT_KIND: tl.constexpr,
         STATS: tl.constexpr,
     ):
+        """Any layout: program i converts the block that row i of the work table names."""
         item = tl.program_id(0).to(tl.int64)
         src_offset = tl.load(table + item * 3)
         dst_offset = tl.load(table + item * 3 + 1)
@@ -99,22 +120,29 @@ if _triton.AVAILABLE:
             src_offset = tl.multiple_of(src_offset, 16)
             dst_offset = tl.multiple_of(dst_offset, 16)
         lanes = tl.arange(0, BLOCK)
-        src = src_base + src_offset + lanes
-        dst = dst_base + dst_offset + lanes
-        if length == BLOCK:  # full blocks go unmasked so that loads and stores vectorise
-            bits, stored = _convert(_load_fp32(src, None, SRC_BF16, False), scale, APPLY_SCALE, OUT_KIND)
-            tl.store(dst, bits)
-        else:
-            mask = lanes < length
-            x = _load_fp32(src, mask, SRC_BF16, True)
-            bits, stored = _convert(x, scale, APPLY_SCALE, OUT_KIND)
-            tl.store(dst, bits, mask=mask)
-            stored = tl.where(mask, stored, 0.0)
-        if STATS:
-            # One partial per block, summed later in a fixed order: deterministic, no atomics.
-            nonfinite = (stored != stored) | (tl.abs(stored) == float("inf"))
-            tl.store(stats + item * 2, tl.sum(stored * stored, axis=0))
-            tl.store(stats + item * 2 + 1, tl.sum(nonfinite.to(tl.float32), axis=0))
+        _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, length, item, scale, stats,
+                       BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+
+    @triton.jit
+    def _contiguous_convert_kernel(
+        src,
+        dst,
+        n_elements,
+        scale,
+        stats,
+        BLOCK: tl.constexpr,
+        APPLY_SCALE: tl.constexpr,
+        SRC_BF16: tl.constexpr,
+        OUT_KIND: tl.constexpr,
+        STATS: tl.constexpr,
+    ):
+        """One contiguous run (a DDP bucket): block offsets come from the program id, no table to read first."""
+        item = tl.program_id(0).to(tl.int64)
+        start = item * BLOCK
+        length = tl.minimum(n_elements - start, BLOCK)
+        lanes = tl.arange(0, BLOCK)
+        _convert_block(src + start + lanes, dst + start + lanes, length, item, scale, stats,
+                       BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
 
 else:  # pragma: no cover - exercised only where Triton is missing
-    _worklist_convert_kernel = None
+    _worklist_convert_kernel = _contiguous_convert_kernel = None

@@ -15,7 +15,7 @@ import torch
 
 from . import _triton, torch_path
 from .convert import OUT_BF16, OUT_FP16, OUT_FP32
-from .launch import BoundLaunch, kernel_arguments, launch
+from .launch import BoundLaunch, kernel_arguments
 from .validation import check_flat, check_overlap, check_scale, check_tensor_list
 from .worklist import PLANS
 
@@ -52,8 +52,7 @@ def _prepare_pack(tensors, out, scale) -> Callable[[], None]:
         return lambda: torch_path.pack(tensors, out, scale)
     plan = PLANS.get(tensors, out, many_is_source=True)
     dst = out.view(_BITS_DTYPE[out.dtype])
-    args, constexprs = kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None)
-    return BoundLaunch(plan, args, constexprs, lambda: launch(plan, args, constexprs))
+    return BoundLaunch(plan, *kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None))
 
 
 def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
@@ -70,16 +69,10 @@ def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
     base = tensors[plan.many_base]
     dst = base.view(_BITS_DTYPE[base.dtype])
     if stats is None:
-        args, constexprs = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
-
-        def run() -> None:
-            launch(plan, args, constexprs)
-
-        return BoundLaunch(plan, args, constexprs, run)
+        return BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None))
 
     partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
-    args, constexprs = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials)
-    kernel_launch = BoundLaunch(plan, args, constexprs, lambda: launch(plan, args, constexprs))
+    kernel_launch = BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials))
 
     def run_with_stats() -> None:
         kernel_launch()

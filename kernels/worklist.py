@@ -22,10 +22,11 @@ _PLAN_CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class Plan:
-    """A work table on the tensors' device, and how to launch over it."""
+    """How to launch over one layout: a work table on the tensors' device, or none for one contiguous run."""
 
-    table: torch.Tensor  # (n_items, 3) int64
-    n_items: int
+    table: Optional[torch.Tensor]  # (n_items, 3) int64; None when all tensors form one run (the contiguous kernel)
+    n_items: int  # programs to launch, one per block
+    n_elements: int
     block: int
     num_warps: int
     aligned: bool  # every block offset is a multiple of ALIGN elements
@@ -75,9 +76,8 @@ def build_plan(
     many_base = _first_nonempty(tensors)
     total = sum(n for _, n in runs)
     block, num_warps = launch_config(total, len(runs))
-    if not runs:
-        empty = torch.empty((0, 3), dtype=torch.int64, device=device)
-        return Plan(empty, 0, block, num_warps, True, many_base)
+    if len(runs) <= 1:  # nothing, or one run starting at the base tensor: offsets follow from the program id
+        return Plan(None, -(-total // block), total, block, num_warps, True, many_base)
 
     elsize = tensors[many_base].element_size()
     base_ptr = tensors[many_base].data_ptr()
@@ -103,7 +103,7 @@ def build_plan(
     src, dst = (many_off, flat_off) if many_is_source else (flat_off, many_off)
     table = torch.stack([src, dst, length], dim=1).contiguous()
     aligned = bool((seg_many % ALIGN == 0).all() and (seg_flat % ALIGN == 0).all())
-    return Plan(table.to(device), table.shape[0], block, num_warps, aligned, many_base)
+    return Plan(table.to(device), table.shape[0], total, block, num_warps, aligned, many_base)
 
 
 class PlanCache:

@@ -139,8 +139,10 @@ def test_neighbouring_views_become_one_segment():
     scattered = [torch.zeros(100), torch.zeros(5)]
     assert len(segments(scattered)) == 2
     plan = build_plan(views, torch.empty(10000, dtype=torch.bfloat16), True, torch.device("cpu"))
+    assert plan.table is None, "one run takes the contiguous kernel, with no table"
     assert plan.n_items == math.ceil(10000 / plan.block)
-    assert plan.aligned
+    plan = build_plan(scattered, torch.empty(105), True, torch.device("cpu"))
+    assert plan.table is not None and plan.n_items == 2
 
 
 class _FakeTensor:
@@ -172,8 +174,9 @@ def test_work_list_offsets_are_64_bit():
     assert int(last[1]) + int(last[2]) == n + 16
 
 
+@pytest.mark.parametrize("layout", ["two-tensors", "one-bucket"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_unpack_stats_sum_of_squares_and_nonfinite(path):
+def test_unpack_stats_sum_of_squares_and_nonfinite(path, layout):
     def run(flat, tensors, scale, stats):
         if path == "kernel":
             unpack(flat, tensors, scale, stats=stats)
@@ -181,7 +184,11 @@ def test_unpack_stats_sum_of_squares_and_nonfinite(path):
             torch_path.unpack(flat, tensors, scale, stats)
 
     flat = torch.randn(9000, dtype=torch.float32)
-    tensors = [torch.empty(4000, dtype=torch.bfloat16), torch.empty(5000, dtype=torch.bfloat16)]
+    if layout == "two-tensors":  # the work-list kernel
+        tensors = [torch.empty(4000, dtype=torch.bfloat16), torch.empty(5000, dtype=torch.bfloat16)]
+    else:  # views of one buffer: the contiguous kernel
+        bucket = torch.empty(9000, dtype=torch.bfloat16)
+        tensors = [bucket[:4000], bucket[4000:]]
     stats = torch.full((2,), -1.0)
     run(flat, tensors, 0.5, stats)
     expected = torch.cat(tensors).double().square().sum()  # of the values stored, after rounding
