@@ -27,9 +27,9 @@ OUT_FP32 = 2
 # Canonical quiet NaNs written for any NaN: the payload-free, positive quiet NaN of each format.
 NAN_BITS = {OUT_BF16: 0x7FC0, OUT_FP16: 0x7E00, OUT_FP32: 0x7FC00000}
 
-# Offsets that are multiples of ALIGN elements let the compiler emit 16-byte vector accesses (16 elements covers
-# both 4-byte and 2-byte dtypes); layouts that break it compile the ALIGN=1 variant.
-ALIGN = 16
+# Blocks whose offsets are multiples of ALIGN elements get 16-byte vector accesses (16 elements covers both 4-byte
+# and 2-byte dtypes); the others take the scalar path.
+ALIGN = tl.constexpr(16) if _triton.AVAILABLE else 16
 
 # Columns of the work table, one int64 row per block.
 TABLE_COLUMNS = 3  # src_offset, dst_offset, length
@@ -105,7 +105,6 @@ if _triton.AVAILABLE:
         scale,
         stats,
         BLOCK: tl.constexpr,
-        ALIGNED: tl.constexpr,
         APPLY_SCALE: tl.constexpr,
         SRC_BF16: tl.constexpr,
         OUT_KIND: tl.constexpr,
@@ -116,12 +115,16 @@ if _triton.AVAILABLE:
         src_offset = tl.load(table + item * 3)
         dst_offset = tl.load(table + item * 3 + 1)
         length = tl.load(table + item * 3 + 2)
-        if ALIGNED:
-            src_offset = tl.multiple_of(src_offset, 16)
-            dst_offset = tl.multiple_of(dst_offset, 16)
         lanes = tl.arange(0, BLOCK)
-        _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, length, item, scale, stats,
-                       BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+        # Alignment is decided per block, so one oddly sized tensor does not cost the others their vector accesses.
+        if (length == BLOCK) & (src_offset % ALIGN == 0) & (dst_offset % ALIGN == 0):
+            src_offset = tl.multiple_of(src_offset, ALIGN)
+            dst_offset = tl.multiple_of(dst_offset, ALIGN)
+            _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, BLOCK, item, scale, stats,
+                           BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+        else:
+            _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, length, item, scale, stats,
+                           BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
 
     @triton.jit
     def _contiguous_convert_kernel(

@@ -11,7 +11,7 @@ launcher and falls back to it, with a warning, if they ever disagree.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,7 +41,6 @@ def kernel_arguments(
     stats_arg = stats if stats is not None else src_base  # never written when STATS is off
     if plan.table is None:
         return _contiguous_convert_kernel, (src_base, dst_base, plan.n_elements, scale, stats_arg), constexprs
-    constexprs["ALIGNED"] = plan.aligned
     return _worklist_convert_kernel, (src_base, dst_base, plan.table, scale, stats_arg), constexprs
 
 
@@ -59,12 +58,14 @@ def _as_int(arg):
 class BoundLaunch:
     """A launch whose arguments are fixed; calling it launches again on the current CUDA stream.
 
-    Holds references to its tensors, so they stay alive as long as the launch does. In the interpreter, or when
+    Holds references to all its tensors (``keepalive``: the work table has the addresses of tensors that are not
+    arguments), so they stay alive as long as the launch does. In the interpreter, or when
     the direct launch is unavailable, it goes through Triton's launcher.
     """
 
-    def __init__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
+    def __init__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict, keepalive: Sequence = ()) -> None:
         self._plan, self._kernel, self._args, self._constexprs = plan, kernel, args, constexprs
+        self._keepalive = tuple(keepalive)  # every tensor whose address is baked into the launch
         self._direct: Optional[Callable[[], None]] = None
         device = args[0].device
         if device.type == "cuda" and plan.n_items and not _triton.INTERPRETER:
@@ -86,6 +87,32 @@ def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
     return values
 
 
+class _DirectLaunch:
+    """The compiled kernel's launcher with every argument fixed. Keeps ``compiled`` alive: its destructor unloads
+    the module that ``function`` lives in."""
+
+    __slots__ = ("compiled", "run", "grid", "index", "function", "metadata", "values", "current_stream")
+
+    def __init__(self, compiled: Any, run: Callable, function: Any, metadata: Any, grid: int, index: int,
+                 values: list) -> None:
+        self.compiled, self.run, self.function, self.metadata = compiled, run, function, metadata
+        self.grid, self.index, self.values = grid, index, tuple(values)
+        self.current_stream = _raw_stream_getter()
+
+    def __call__(self) -> None:
+        self.run(self.grid, 1, 1, self.current_stream(self.index), self.function, self.metadata, None, None, None,
+                 *self.values)
+
+
+def _raw_stream_getter() -> Callable[[int], int]:
+    """device index -> the current CUDA stream's handle; torch's private getter (what Triton itself calls) skips
+    building a Stream object per call."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
 def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
                  device: torch.device) -> Optional[Callable[[], None]]:
     """A closure that launches the compiled kernel without Triton's per-call argument handling, or None."""
@@ -102,14 +129,8 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
             compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
         run = compiled.run  # first: reading it loads the binary, which sets compiled.function
         function, metadata, grid = compiled.function, compiled.packed_metadata, plan.n_items
-        values = _launcher_values(kernel, args, constexprs)
-        index = device.index
-
-        def direct() -> None:
-            stream = torch.cuda.current_stream(index).cuda_stream
-            run(grid, 1, 1, stream, function, metadata, None, None, None, *values)
-
-        return direct
+        return _DirectLaunch(compiled, run, function, metadata, grid, device.index,
+                             _launcher_values(kernel, args, constexprs))
     except Exception as exc:  # any incompatibility with this Triton version: keep working, just slower
         _direct_launch_ok = False
         logger.warning("direct kernel launch unavailable (%s: %s); using Triton's launcher", type(exc).__name__, exc)

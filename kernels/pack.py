@@ -52,7 +52,8 @@ def _prepare_pack(tensors, out, scale) -> Callable[[], None]:
         return lambda: torch_path.pack(tensors, out, scale)
     plan = PLANS.get(tensors, out, many_is_source=True)
     dst = out.view(_BITS_DTYPE[out.dtype])
-    return BoundLaunch(plan, *kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None))
+    args = kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None)
+    return BoundLaunch(plan, *args, keepalive=tensors)
 
 
 def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
@@ -69,10 +70,12 @@ def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
     base = tensors[plan.many_base]
     dst = base.view(_BITS_DTYPE[base.dtype])
     if stats is None:
-        return BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None))
+        args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
+        return BoundLaunch(plan, *args, keepalive=tensors)
 
     partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
-    kernel_launch = BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials))
+    args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials)
+    kernel_launch = BoundLaunch(plan, *args, keepalive=tensors)
 
     def run_with_stats() -> None:
         kernel_launch()

@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .convert import ALIGN
 
 # Plans are small (24 bytes per block) but a long-running job may see many layouts; keep the recent ones.
 _PLAN_CACHE_SIZE = 256
@@ -29,7 +28,6 @@ class Plan:
     n_elements: int
     block: int
     num_warps: int
-    aligned: bool  # every block offset is a multiple of ALIGN elements
     many_base: int  # index into the tensor list of the tensor whose address is the base pointer (-1: none)
 
 
@@ -77,7 +75,7 @@ def build_plan(
     total = sum(n for _, n in runs)
     block, num_warps = launch_config(total, len(runs))
     if len(runs) <= 1:  # nothing, or one run starting at the base tensor: offsets follow from the program id
-        return Plan(None, -(-total // block), total, block, num_warps, True, many_base)
+        return Plan(None, -(-total // block), total, block, num_warps, many_base)
 
     elsize = tensors[many_base].element_size()
     base_ptr = tensors[many_base].data_ptr()
@@ -102,8 +100,7 @@ def build_plan(
     length = torch.clamp(seg_len[seg_of_item] - within, max=block)
     src, dst = (many_off, flat_off) if many_is_source else (flat_off, many_off)
     table = torch.stack([src, dst, length], dim=1).contiguous()
-    aligned = bool((seg_many % ALIGN == 0).all() and (seg_flat % ALIGN == 0).all())
-    return Plan(table.to(device), table.shape[0], total, block, num_warps, aligned, many_base)
+    return Plan(table.to(device), table.shape[0], total, block, num_warps, many_base)
 
 
 class PlanCache:

@@ -290,9 +290,26 @@ def test_compiled_kernel_bits_on_cuda(src_dtype, out_dtype):
         expected = reference_pack([t.cpu() for t in tensors], out_dtype, scale)
         assert_same_bits(out, expected)
         back = [torch.empty_like(t) for t in tensors]
-        bind_unpack(out, back, 1 / scale if scale else 1.0)()
-        ref_back = out.cpu().float().mul(1 / scale if scale else 1.0).to(src_dtype)
-        assert_same_bits(torch.cat(back), ref_back)
+        bind_unpack(out, back, 1 / scale)()
+        assert_same_bits(torch.cat(back), out.cpu().float().mul(1 / scale).to(src_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
+def test_compiled_contiguous_kernel_scaled_on_cuda(out_dtype):
+    """The hook's own case: one aligned bucket, scaled, full vector blocks plus a tail, every bit pattern."""
+    bucket = torch.cat([EDGE_FLOAT32, random_bit_patterns(3 * 4096 + 977 - EDGE_FLOAT32.numel(), torch.float32)])
+    bucket = bucket.cuda()
+    for scale in (1 / 8, 1 / 3, 0.5):
+        comm = torch.empty(bucket.numel(), dtype=out_dtype, device="cuda")
+        bind_pack([bucket], comm, scale)()
+        assert_same_bits(comm, reference_pack([bucket.cpu()], out_dtype, scale))
+        back = torch.empty_like(bucket)
+        stats = torch.zeros(2, device="cuda")
+        unpack(comm, [back], 2.0, stats=stats)
+        expected = comm.cpu().float().mul(2.0)
+        assert_same_bits(back, expected)
+        assert int(stats[1]) == int((~torch.isfinite(expected)).sum())
 
 
 @pytest.mark.gpu
@@ -308,3 +325,20 @@ def test_more_than_2_to_the_31_elements_on_cuda():
     assert out[-1].item() == 1.5 and out[0].item() == 0.5 and out[2**31].item() == 0.5
     del src, out
     torch.cuda.empty_cache()
+
+
+def test_bound_launch_keeps_every_tensor_alive():
+    """The work table holds raw addresses: a bound launch must not let any tensor it names be freed."""
+    import gc
+    import weakref
+
+    flat = torch.randn(300)
+    tensors = [torch.empty(100), torch.empty(200)]
+    watch = [weakref.ref(t) for t in tensors]
+    replay = bind_unpack(flat, tensors, 2.0)
+    kept = tensors[1]
+    del tensors
+    gc.collect()
+    assert all(w() is not None for w in watch), "a tensor named in the work table was freed"
+    replay()
+    assert_same_bits(kept, flat[100:].mul(2.0))
