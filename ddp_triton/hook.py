@@ -22,11 +22,17 @@ from .state import CommState, default_state
 
 
 def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` over the state's process group, sending it in ``state.comm_dtype``."""
-    if state is None:
-        state = default_state()
+    """Average ``bucket`` over the state's process group, sending it in ``state.comm_dtype``.
+
+    ``state`` is a CommState, or, as with torch's own hooks, None (the default group) or a process group.
+    """
+    if not isinstance(state, CommState):
+        state = default_state(state)
     buffer = bucket.buffer()
-    comm = state.bucket_comm(bucket.index(), buffer)
+    index = bucket.index()
+    comm = state.bucket_comm(index, buffer)
+    if bucket.is_last():
+        state.forget_buckets_after(index)
     comm.pack()
     work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,8 @@ class CommState:
     comm_dtype: torch.dtype = torch.bfloat16
     """Dtype on the wire: bfloat16, float16 or float32."""
     profile: ProfileSpec = "auto"
-    """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile, else the cost model), a path
-    to a profile JSON, a Profile, or None (leave the choice to NCCL)."""
+    """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
+    own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's)."""
     buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -83,17 +83,20 @@ class CommState:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group)).lower()
         self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
-        self._rebinds: Dict[int, int] = {}
+        self._rebuilt: Set[int] = set()
         self.profile = self._setup_profile(self.profile)
 
     def _setup_profile(self, spec: ProfileSpec) -> Any:
+        if spec is None:  # nothing to look up, so nothing ranks could disagree on: no collective either
+            return None
+        from .algo_groups import check_profile_agreement, make_algorithm_groups
         from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
 
         profile = resolve_profile(spec, self)
+        # Always compare, also when this rank found none: a rank with a profile would otherwise wait forever in
+        # group creation while one without it trains on. Over the whole world, because group creation is too.
+        check_profile_agreement(profile, dist.group.WORLD)
         if profile is not None:
-            from .algo_groups import check_profile_agreement, make_algorithm_groups
-
-            check_profile_agreement(profile, self.group)
             self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
         return profile
 
@@ -106,10 +109,23 @@ class CommState:
         if entry is not None and entry.signature == signature:
             return entry
         if entry is not None:
-            self._note_rebind(index)
+            if index in self._rebuilt:
+                # DDP rebuilds its buckets once; a bucket that changes again is transient (join()'s zero buckets
+                # for ranks that ran out of data) or this state is shared by several models. Serve it without
+                # replacing the cached entry.
+                warn_once("triton_hook: a bucket's buffer changed again after DDP's rebuild (join()'s shadow "
+                          "buckets, or one CommState shared by several models); such buckets get one-off buffers")
+                return self._bind(signature, buffer)
+            self._rebuilt.add(index)
         entry = self._bind(signature, buffer)
         self.buckets[index] = entry
         return entry
+
+    def forget_buckets_after(self, last_index: int) -> None:
+        """Drop entries of buckets past the last one (DDP's rebuild can make fewer buckets): frees their buffers."""
+        if len(self.buckets) > last_index + 1:
+            for index in [i for i in self.buckets if i > last_index]:
+                del self.buckets[index]
 
     def _bind(self, signature, buffer: torch.Tensor) -> BucketComm:
         if buffer.dtype not in kernels.SUPPORTED_DTYPES:
@@ -134,14 +150,6 @@ class CommState:
         algorithm = self.profile.algorithm_for(nbytes)
         return select_group(self.algorithm_groups, self.profile, nbytes), algorithm
 
-    def _note_rebind(self, index: int) -> None:
-        count = self._rebinds[index] = self._rebinds.get(index, 0) + 1
-        if count > 2:  # DDP rebuilds its buckets once, after the first iteration; more means a shared state
-            warn_once(
-                f"bucket {index}'s buffer keeps changing (rebound {count} times): is one CommState shared by "
-                "several DDP models? Give each model its own (ddp_triton.register does)."
-            )
-
     def held_bytes(self) -> int:
         """Bytes of communication buffers this state holds (those that are not DDP's own bucket buffers)."""
         return sum(e.comm.numel() * e.comm.element_size() for e in self.buckets.values() if e.comm is not e.buffer)
@@ -154,11 +162,12 @@ def _nothing() -> None:
 _default_states: Dict[int, CommState] = {}
 
 
-def default_state() -> CommState:
-    """The state used when the hook is registered with ``None``: default group, bfloat16, NCCL's own algorithm."""
-    world = dist.group.WORLD
-    state = _default_states.get(id(world))
+def default_state(process_group: Any = None) -> CommState:
+    """The state for a hook registered, as torch's hooks allow, with ``None`` (the default group) or a process group
+    as its state: bfloat16 on the wire, NCCL's own algorithm choice. One per group, made at its first bucket."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    state = _default_states.get(id(group))
     if state is None:
-        state = _default_states[id(world)] = CommState(profile=None)
-        logger.debug("triton_hook: state None, using the default process group and bfloat16")
+        state = _default_states[id(group)] = CommState(process_group=group, profile=None)
+        logger.debug("triton_hook: a state for process group %s, bfloat16", id(group))
     return state
