@@ -95,16 +95,19 @@ def _force_init(group: ProcessGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _create_groups(algorithms: Sequence[str], ranks: List[int], backend: str,
+def _create_groups(algorithms: Sequence[str], rank_sets: Sequence[List[int]], backend: str,
                    warmup: Callable[[ProcessGroup], None]) -> Dict[str, ProcessGroup]:
-    """For each algorithm in order: new group over ``ranks`` and its first collective, with NCCL_ALGO set."""
+    """For each algorithm, a new group over each of ``rank_sets`` (every rank creates every group, in the same
+    order, as new_group requires) with NCCL_ALGO set while it is created and first used; returns this rank's."""
     me = dist.get_rank()
     groups: Dict[str, ProcessGroup] = {}
     for a in algorithms:
         name = NCCL_ALGO_NAMES[a]
         with scoped_env({"NCCL_ALGO": name}):
-            group = dist.new_group(ranks=ranks, backend=backend)
-            if me in ranks:
+            for ranks in rank_sets:
+                group = dist.new_group(ranks=list(ranks), backend=backend)
+                if me not in ranks:
+                    continue
                 try:
                     warmup(group)
                 except Exception as e:
@@ -112,9 +115,22 @@ def _create_groups(algorithms: Sequence[str], ranks: List[int], backend: str,
                         f"could not bring up the communicator for all-reduce algorithm {a!r} (NCCL_ALGO={name}): "
                         f"{e}. NCCL may not support it on this machine (NVLS needs NVSwitch, Hopper or later and a "
                         "driver with multicast); re-run `ddp-triton autotune` here.") from e
-        if me in ranks:
-            groups[a] = group
+                groups[a] = group
     return groups
+
+
+def replica_rank_sets(process_group: ProcessGroup) -> List[List[int]]:
+    """The rank lists of ``process_group`` as every rank holds it, gathered over the world, distinct, in order.
+
+    With one DDP replica group per set of ranks ([0, 1] on some ranks, [2, 3] on others), each rank only knows its
+    own; new_group must still be called by every rank for every group, in the same order.
+    """
+    ranks = dist.get_process_group_ranks(process_group)
+    if len(ranks) == dist.get_world_size():
+        return [ranks]
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ranks)
+    return sorted({tuple(r) for r in gathered}, key=lambda r: (r[0], r))
 
 
 def make_algorithm_groups(algorithms: Iterable[str],
@@ -124,7 +140,7 @@ def make_algorithm_groups(algorithms: Iterable[str],
     NCCL: each group's communicator is initialised with ``NCCL_ALGO`` set to that algorithm; RuntimeError when NCCL
     is too old for one of them or cannot bring it up. Other backends: every algorithm maps to ``process_group``
     itself (one algorithm there), with a warning once. Must be called by all ranks of the default group, with the
-    same ``algorithms``. A rank outside ``process_group`` gets an empty dict.
+    same ``algorithms``; ranks may pass different (disjoint) process groups, as replica groups are.
     """
     algs = _canonical(algorithms)
     pg = process_group if process_group is not None else dist.group.WORLD
@@ -134,10 +150,11 @@ def make_algorithm_groups(algorithms: Iterable[str],
                   f"{', '.join(algs)} by size is recorded, but every bucket uses the same process group")
         return {a: pg for a in algs}
     check_nccl_support(algs, nccl_version())
-    ranks = dist.get_process_group_ranks(pg)
+    rank_sets = replica_rank_sets(pg)
     device = torch.device("cuda", torch.cuda.current_device())
-    groups = _create_groups(algs, ranks, "nccl", lambda g: _force_init(g, device))
-    info_rank0(f"created NCCL groups for all-reduce algorithms {', '.join(algs)} over {len(ranks)} ranks")
+    groups = _create_groups(algs, rank_sets, "nccl", lambda g: _force_init(g, device))
+    info_rank0(f"created NCCL groups for all-reduce algorithms {', '.join(algs)} over {len(rank_sets)} replica "
+               f"group(s) of {len(rank_sets[0])} ranks")
     return groups
 
 

@@ -95,7 +95,7 @@ def _groups_and_dispatch(rank: int, world: int) -> None:
         dist.all_reduce(t, group=g)
         assert t.item() == world
 
-    made = ag._create_groups(["ring", "tree"], list(range(world)), "gloo", warmup)
+    made = ag._create_groups(["ring", "tree"], [list(range(world))], "gloo", warmup)
     assert seen == ["Ring", "Tree"]
     assert os.environ["NCCL_ALGO"] == SENTINEL
     assert made["ring"] is not made["tree"] and made["ring"] is not dist.group.WORLD
@@ -123,6 +123,29 @@ def _disagree(rank: int, world: int) -> None:
     # A profile on rank 0, none on rank 1.
     with pytest.raises(RuntimeError, match="no profile"):
         ag.check_profile_agreement(mine if rank == 0 else None)
+
+
+def _replica_groups(rank: int, world: int) -> None:
+    # Two replica groups, [0, 1] and [2, 3]: each rank names only its own, yet every rank must create every group.
+    mine = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    rank_sets = ag.replica_rank_sets(mine)
+    assert rank_sets == [(0, 1), (2, 3)]
+    seen = []
+
+    def warmup(g):
+        seen.append(os.environ.get("NCCL_ALGO"))
+        t = torch.full((1,), float(rank))
+        dist.all_reduce(t, group=g)
+        assert t.item() == sum(r for r in range(world) if r // 2 == rank // 2)  # summed within the replica only
+
+    made = ag._create_groups(["ring", "tree"], rank_sets, "gloo", warmup)
+    assert sorted(made) == ["ring", "tree"] and seen == ["Ring", "Tree"]
+    assert dist.get_process_group_ranks(made["ring"]) == [2 * (rank // 2), 2 * (rank // 2) + 1]
+    assert ag.replica_rank_sets(dist.group.WORLD) == [list(range(world))]
+
+
+def test_disjoint_replica_groups_are_created_on_every_rank():
+    run_workers(_replica_groups, 4, timeout=60)
 
 
 def test_groups_env_and_dispatch_on_gloo():
