@@ -69,7 +69,10 @@ def _bucket_case(device: torch.device, mb: float, ceiling: float, compiled_pre: 
     ours_unpack = bind_unpack(comm, [buf], 1.0)
     ours_pack()
     expected = buf.float().mul(1.0 / WORLD).to(torch.bfloat16)
-    exact = bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))
+    exact = {"pack": bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))}
+    back = buf.clone()
+    bind_unpack(comm, [back], 1.0)()
+    exact["unpack"] = bool(torch.equal(back, comm.float()))
     nbytes = n * (4 + 2)
     floor_us = nbytes / ceiling / 1e3
     cases = [
@@ -85,7 +88,7 @@ def _bucket_case(device: torch.device, mb: float, ceiling: float, compiled_pre: 
         rows.append({
             "mb": mb, "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "ours_gbps": nbytes / ours_us / 1e3,
-            "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact,
+            "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact[op],
         })
     return rows
 
@@ -111,7 +114,10 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     ours_pack = bind_pack(grads, flat, 1.0 / WORLD)
     ours_pack()
     expected = torch.cat([g.flatten() for g in grads]).mul(1.0 / WORLD).to(torch.bfloat16)
-    exact = bool(torch.equal(flat.view(torch.int16), expected.view(torch.int16)))
+    exact = {"pack": bool(torch.equal(flat.view(torch.int16), expected.view(torch.int16)))}
+    back = [torch.empty_like(g) for g in grads]
+    bind_unpack(flat, back, 1.0)()
+    exact["unpack"] = bool(torch.equal(torch.cat([b.flatten() for b in back]), flat.float()))
     compiled = _maybe_compile(lambda gs: torch.cat([g.flatten() for g in gs]).mul(1.0 / WORLD).to(torch.bfloat16),
                               compile_)
     ours_unpack = bind_unpack(flat, grads, 1.0)
@@ -134,7 +140,7 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
             "tensors": len(grads), "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
             "torch_over_ours": torch_us / ours_us,
-            "compiled_over_ours": (compiled_us / ours_us) if compiled_us else None, "bitexact": exact,
+            "compiled_over_ours": (compiled_us / ours_us) if compiled_us else None, "bitexact": exact[op],
         })
     return rows
 
