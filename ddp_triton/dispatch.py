@@ -31,13 +31,17 @@ def _this_topology(state: Any):
 
 
 def _model_profile(state: Any) -> Optional[Profile]:
-    """The cost model's profile for this machine, or None when the topology cannot be read."""
+    """The cost model's profile for this machine, or None when it cannot be modelled (no topology, no NIC rate)."""
     topology = _this_topology(state)
     if topology is None or state.backend != "nccl":
         return None
     from .autotune import model_profile
 
-    return model_profile(topology, comm_dtype=dtype_name(state.comm_dtype))
+    try:
+        return model_profile(topology, comm_dtype=dtype_name(state.comm_dtype))
+    except ValueError as exc:  # e.g. several nodes and no inter-node rate: NVML cannot see network cards
+        warn_once(f"triton_hook: no cost-model profile for this machine ({exc}); NCCL chooses", all_ranks=True)
+        return None
 
 
 def resolve_profile(spec: Any, state: Any) -> Optional[Profile]:

@@ -47,7 +47,7 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_options: Any) -> CommState:
     """Build a CommState (``state_options`` as its fields) and register ``triton_hook`` on ``ddp_model``.
 
-    The process group defaults to the model's own. Checks up front what would otherwise fail at the first bucket:
+    The process group and device default to the model's own. Checks up front what would otherwise fail at the first bucket:
     parameters of a dtype the kernels do not convert. Call on every rank, in the same order.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
@@ -59,6 +59,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_optio
             raise TypeError(f"parameter {name} has dtype {param.dtype}; triton_hook supports float32, bfloat16 "
                             "and float16 gradients")
     state_options.setdefault("process_group", ddp_model.process_group)
+    if ddp_model.device_ids:
+        state_options.setdefault("device", torch.device("cuda", ddp_model.device_ids[0]))
     state = CommState(**state_options)
     ddp_model.register_comm_hook(state, triton_hook)
     return state

@@ -9,6 +9,7 @@ which is sent in place.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class CommState:
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
     own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's)."""
+    device: Optional[torch.device] = None
+    """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
+    current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works."""
     buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -93,11 +97,14 @@ class CommState:
         from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
 
         profile = resolve_profile(spec, self)
-        # Always compare, also when this rank found none: a rank with a profile would otherwise wait forever in
-        # group creation while one without it trains on. Over the whole world, because group creation is too.
-        check_profile_agreement(profile, dist.group.WORLD)
-        if profile is not None:
-            self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
+        use_device = torch.cuda.device(self.device) if self.device is not None and self.device.type == "cuda" \
+            else contextlib.nullcontext()
+        with use_device:  # NCCL's collectives here run on the current device: make it the model's
+            # Always compare, also when this rank found none: a rank with a profile would otherwise wait forever in
+            # group creation while one without it trains on. Over the whole world, because group creation is too.
+            check_profile_agreement(profile, dist.group.WORLD)
+            if profile is not None:
+                self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
         return profile
 
     def bucket_comm(self, index: int, buffer: torch.Tensor) -> BucketComm:
@@ -134,7 +141,10 @@ class CommState:
             )
         group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
         in_place = self.comm_dtype == buffer.dtype
-        if in_place and self.backend == "nccl" and self.comm_dtype != torch.float16:
+        # NCCL implements a float AVG as a pre-multiplied sum, which its NVLS algorithms do not run: a group forced
+        # to NVLS must get a plain SUM of pre-scaled values.
+        nvls = algorithm is not None and algorithm.startswith("nvls")
+        if in_place and self.backend == "nccl" and self.comm_dtype != torch.float16 and not nvls:
             # The collective's own averaging: no kernel at all on either side.
             return BucketComm(signature, buffer, buffer, _nothing, _nothing, group, dist.ReduceOp.AVG, algorithm)
         comm = buffer if in_place else torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)

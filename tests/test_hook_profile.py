@@ -77,3 +77,21 @@ def _files_worker(rank, world_size, tmp):
 
 def test_profile_files_good_corrupt_and_mismatched(tmp_path):
     torch_path_workers(_files_worker, 2, str(tmp_path))
+
+
+def _nvls_sum_worker(rank, world_size):
+    profile = Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype="float32",
+                      bucket_cap_mb=1.0, table=[TableEntry(0, SPLIT_BYTES, "ring"), TableEntry(SPLIT_BYTES + 1, None,
+                                                                                               "nvls")])
+    state = ddp_triton.CommState(comm_dtype=torch.float32, profile=profile)
+    state.backend = "nccl"  # the choice of reduction reads only the backend's name: decide as on NCCL
+    small = state.bucket_comm(0, torch.zeros(100))  # 400 bytes: ring
+    large = state.bucket_comm(1, torch.zeros(10_000))  # 40 KB: NVLS
+    assert (small.algorithm, small.op) == ("ring", dist.ReduceOp.AVG)  # NCCL averages, no kernel
+    # NCCL's float AVG is a pre-multiplied sum, which NVLS does not run: pre-scale in place and SUM instead
+    assert (large.algorithm, large.op) == ("nvls", dist.ReduceOp.SUM)
+    assert large.comm is large.buffer
+
+
+def test_buckets_sent_over_nvls_are_summed_not_averaged():
+    torch_path_workers(_nvls_sum_worker, 1)
