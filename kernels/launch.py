@@ -11,6 +11,7 @@ launcher and falls back to it, with a warning, if they ever disagree.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +77,42 @@ class BoundLaunch:
             self._direct()
         else:
             launch(self._plan, self._kernel, self._args, self._constexprs)
+
+
+class OneShotLaunches:
+    """Launches for calls that are not bound (plain ``pack``/``unpack``): the direct launch of each set of argument
+    values seen recently, so a caller repeating a layout skips Triton's argument handling too.
+
+    Keyed by every value the launch bakes in (addresses, sizes, scale, constexprs): a hit means the same memory and
+    layout, which this call has just validated. Entries hold no tensors, only the plan whose work table the launch
+    reads.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._entries: "OrderedDict[tuple, Tuple[Callable[[], None], Plan]]" = OrderedDict()
+        self._capacity = capacity
+
+    def __call__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
+        device = args[0].device
+        if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0:
+            launch(plan, kernel, args, constexprs)
+            return
+        key = (id(kernel), plan.n_items, plan.num_warps, tuple(_as_int(a) for a in args), tuple(constexprs.items()))
+        entry = self._entries.get(key)
+        if entry is None:
+            direct = _bind_direct(plan, kernel, args, constexprs, device)
+            if direct is None:
+                launch(plan, kernel, args, constexprs)
+                return
+            entry = self._entries[key] = (direct, plan)
+            if len(self._entries) > self._capacity:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        entry[0]()
+
+
+ONE_SHOT = OneShotLaunches()
 
 
 def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:

@@ -15,7 +15,7 @@ import torch
 
 from . import _triton, torch_path
 from .convert import OUT_BF16, OUT_FP16, OUT_FP32
-from .launch import BoundLaunch, kernel_arguments
+from .launch import ONE_SHOT, BoundLaunch, kernel_arguments
 from .validation import check_flat, check_overlap, check_scale, check_tensor_list
 from .worklist import PLANS
 
@@ -41,7 +41,7 @@ def _check_stats(stats: Optional[torch.Tensor], device: torch.device) -> None:
         raise ValueError("stats must be contiguous")
 
 
-def _prepare_pack(tensors, out, scale) -> Callable[[], None]:
+def _prepare_pack(tensors, out, scale, bind: bool) -> Callable[[], None]:
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
     check_flat(out, "out", sum(t.numel() for t in tensors), tensors)
@@ -53,10 +53,12 @@ def _prepare_pack(tensors, out, scale) -> Callable[[], None]:
     plan = PLANS.get(tensors, out, many_is_source=True)
     dst = out.view(_BITS_DTYPE[out.dtype])
     args = kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None)
+    if not bind:
+        return lambda: ONE_SHOT(plan, *args)
     return BoundLaunch(plan, *args, keepalive=tensors)
 
 
-def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
+def _prepare_unpack(flat, tensors, scale, stats, bind: bool) -> Callable[[], None]:
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
     check_flat(flat, "flat", sum(t.numel() for t in tensors), tensors)
@@ -71,6 +73,8 @@ def _prepare_unpack(flat, tensors, scale, stats) -> Callable[[], None]:
     dst = base.view(_BITS_DTYPE[base.dtype])
     if stats is None:
         args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
+        if not bind:
+            return lambda: ONE_SHOT(plan, *args)
         return BoundLaunch(plan, *args, keepalive=tensors)
 
     partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
@@ -93,7 +97,7 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0)
     three dtypes. ``out`` may be the very same memory as the tensors (in-place scaling); any other overlap is refused.
     Returns ``out``.
     """
-    _prepare_pack(tensors, out, scale)()
+    _prepare_pack(tensors, out, scale, bind=False)()
     return out
 
 
@@ -110,7 +114,7 @@ def unpack(
     also writes into it the sum of squares of the values stored and the number of non-finite ones (for a gradient
     norm and an overflow check without reading the gradients again); no host synchronisation either way.
     """
-    _prepare_unpack(flat, tensors, scale, stats)()
+    _prepare_unpack(flat, tensors, scale, stats, bind=False)()
 
 
 def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> Callable[[], None]:
@@ -118,7 +122,7 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float =
 
     The callable keeps references to the tensors. Rebind when any tensor is reallocated.
     """
-    return _prepare_pack(tensors, out, scale)
+    return _prepare_pack(tensors, out, scale, bind=True)
 
 
 def bind_unpack(
@@ -129,4 +133,4 @@ def bind_unpack(
     stats: Optional[torch.Tensor] = None,
 ) -> Callable[[], None]:
     """Check and plan :func:`unpack` once; the returned callable repeats it (see :func:`bind_pack`)."""
-    return _prepare_unpack(flat, tensors, scale, stats)
+    return _prepare_unpack(flat, tensors, scale, stats, bind=True)

@@ -58,3 +58,17 @@ def test_triton_hook_over_nccl(nccl_world_of_one, gabv):
         # world size 1: the hook's result is the gradient rounded once to bfloat16
         assert_same_bits(p.grad, q.grad.to(torch.bfloat16).float())
     assert len(state.buckets) >= 2
+
+
+def test_plain_pack_reuses_its_direct_launch():
+    from ddp_triton.kernels import pack
+
+    grads = [torch.randn(n, device="cuda") for n in (4096, 300)]
+    out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
+    pack(grads, out, 0.5)
+    entries = len(launch.ONE_SHOT._entries)
+    for g in grads:
+        g.mul_(3)
+    pack(grads, out, 0.5)  # same memory and layout: the cached direct launch, no new entry
+    assert len(launch.ONE_SHOT._entries) == entries
+    assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.5))
