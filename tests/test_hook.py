@@ -52,6 +52,11 @@ def local_slice(tensor, rank, world_size):
     return tensor[rank * per : (rank + 1) * per]
 
 
+def local_backward(model, x, y, rank, world_size):
+    """Backward of the loss on this rank's slice of the batch."""
+    nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+
+
 def train_reference(model, steps, lr=0.1, dtype=torch.float32):
     """One process, the full batch: what N ranks on B/N samples each must reproduce."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -68,7 +73,7 @@ def train_ddp(ddp_model, rank, world_size, steps, lr=0.1, dtype=torch.float32):
     for step in range(steps):
         x, y = make_data(step, dtype)
         opt.zero_grad()
-        nn.functional.mse_loss(ddp_model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        local_backward(ddp_model, x, y, rank, world_size)
         opt.step()
 
 
@@ -124,7 +129,7 @@ def _grad_error(model_fn, hook, state, rank, world_size, reference_grads):
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     x, y = make_data(0)
-    nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    local_backward(ddp, x, y, rank, world_size)
     return math.sqrt(sum(float((p.grad.double() - r).square().sum()) for p, r in zip(model.parameters(),
                                                                                      reference_grads)))
 
@@ -162,9 +167,9 @@ def _no_sync_worker(rank, world_size):
         opt.zero_grad()
         with ddp.no_sync():
             x, y = micro[0]
-            nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            local_backward(ddp, x, y, rank, world_size)
         x, y = micro[1]
-        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
     assert_params_close(ddp.module, reference, **FP32_TOL)
 
@@ -202,7 +207,7 @@ def _unused_parameters_worker(rank, world_size):
         nn.functional.mse_loss(reference(x), y).backward()
         opt_ref.step()
         opt.zero_grad()
-        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
     assert_params_close(ddp.module, reference, **FP32_TOL)
 
@@ -254,7 +259,7 @@ def _join_worker(rank, world_size):
         for step in range(batches_of(rank)):
             x, y = make_data(step)
             opt.zero_grad()
-            nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            local_backward(ddp, x, y, rank, world_size)
             opt.step()
     # Reference: at each step the ranks that still have data contribute their gradients, the ranks that joined
     # contribute zeros, and the sum is divided by the full world size (DDP's divide_by_initial_world_size).
@@ -265,7 +270,7 @@ def _join_worker(rank, world_size):
         for r in range(world_size):
             if step < batches_of(r):
                 reference.zero_grad()
-                nn.functional.mse_loss(reference(local_slice(x, r, world_size)), local_slice(y, r, world_size)).backward()
+                local_backward(reference, x, y, r, world_size)
                 total = [t + p.grad for t, p in zip(total, reference.parameters())]
         for p, t in zip(reference.parameters(), total):
             p.grad = t / world_size
@@ -326,7 +331,7 @@ def _memory_worker(rank, world_size):
     for step in range(300):
         x, y = make_data(step % 7)
         opt.zero_grad()
-        nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
         if step == 2:  # DDP rebuilt its buckets after the first iteration; from here on nothing may change
             held = state.held_bytes()
@@ -415,7 +420,7 @@ def _fp16_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp, comm_dtype=torch.float16)
     assert state.pre_scale == pytest.approx(1 / math.sqrt(world_size))
-    nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    local_backward(ddp, x, y, rank, world_size)
     for p, q in zip(model.parameters(), reference.parameters()):
         # float16 keeps 11 significant bits: one rounding before the wire, one per addition in the sum and one
         # after, each at most 2**-11 relative, so 4 * 2**-11 ~ 2e-3; atol covers gradients near zero.
@@ -434,11 +439,11 @@ def _process_group_state_worker(rank, world_size):
     local = []
     for r in range(world_size):
         replica = copy.deepcopy(model)
-        nn.functional.mse_loss(replica(local_slice(x, r, world_size)), local_slice(y, r, world_size)).backward()
+        local_backward(replica, x, y, r, world_size)
         local.append([p.grad for p in replica.parameters()])
     ddp = DDP(model, bucket_cap_mb=0.002)
     ddp.register_comm_hook(dist.group.WORLD, ddp_triton.triton_hook)  # a process group as state, as torch allows
-    nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    local_backward(ddp, x, y, rank, world_size)
     unit = 2.0**-8  # twice bfloat16's unit roundoff
     for i, p in enumerate(model.parameters()):
         terms = [g[i] / world_size for g in local]
