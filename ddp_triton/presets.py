@@ -188,7 +188,8 @@ def h200_vm_1gpu() -> Topology:
     # one "NVIDIA H200" at 00000000:00:06.0, PCIe gen5 x16 (current and max), 150754820096 bytes, CPU affinity
     # words [65535, 0, 0, 0] = CPUs 0-15; NVLink (links 0-17) and NUMA calls raised NVMLError_NotSupported, and
     # `nvidia-smi topo -m` showed one GPU. Compute capability was not recorded, so it is left unknown (the name
-    # still gives the architecture): the preset then has the same fingerprint as from_nvml on that VM.
+    # still gives the architecture); the fingerprint leaves it out, so from_nvml on that VM gives the same one
+    # whether or not NVML answers it.
     gpu = GPU(
         index=0,
         name="NVIDIA H200",

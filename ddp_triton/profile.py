@@ -58,6 +58,11 @@ DEFAULT_FRACTION = 0.9
 #: Default least number of buckets a model is split into, so the all-reduce of early buckets overlaps the rest of
 #: backward (DDP launches a bucket's all-reduce when its last gradient is ready; one bucket would overlap nothing).
 DEFAULT_MIN_BUCKETS = 4
+#: Largest bucket_cap_mb chosen when the model's size is unknown. Bandwidth alone points at 128-512 MiB (90% of the
+#: best busbw is reached only near the 1 GiB end of the sweep), one bucket for most models and no overlap with
+#: backward. 64 MiB keeps a model of a few hundred MB split into several buckets; --model-bytes or
+#: ddp_kwargs(profile, model) bound it by the real model instead.
+DEFAULT_MAX_BUCKET_MB = 64.0
 #: Two algorithms within this fraction of each other at a size count as tied; the table then keeps the algorithm of
 #: the previous size, which avoids flapping between near-equal algorithms on measurement noise (and extra groups).
 DEFAULT_TIE_TOLERANCE = 0.03
@@ -237,8 +242,10 @@ class Profile:
             raise ValueError(f"the last table range must be unbounded (max_bytes null), got {self.table[-1].to_dict()}")
         if not isinstance(self.versions, dict):
             raise ValueError(f"versions must be an object, got {self.versions!r}")
-        if not isinstance(self.notes, list):
-            raise ValueError(f"notes must be a list, got {self.notes!r}")
+        if not isinstance(self.notes, list) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError(f"notes must be a list of strings, got {self.notes!r}")
+        if self.e2e is not None and not isinstance(self.e2e, dict):
+            raise ValueError(f"e2e must be null or an object, got {self.e2e!r}")
         self._maxes = [t.max_bytes for t in self.table[:-1]]
 
     # -- queries --------------------------------------------------------------------------------------------------
@@ -306,6 +313,7 @@ class Profile:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {version!r} is not the supported {SCHEMA_VERSION}")
+        notes = d.get("notes") or []
         try:
             return cls(
                 source=d["source"], world_size=d["world_size"], nodes=d["nodes"], comm_dtype=d["comm_dtype"],
@@ -314,7 +322,7 @@ class Profile:
                 topology_fingerprint=str(d.get("topology_fingerprint", "")),
                 topology_name=str(d.get("topology_name", "")), backend=d.get("backend", "nccl"),
                 versions=dict(d.get("versions") or {}), created=str(d.get("created", "")), e2e=d.get("e2e"),
-                notes=list(d.get("notes") or []), schema_version=version)
+                notes=list(notes) if isinstance(notes, list) else notes, schema_version=version)
         except KeyError as e:
             raise ValueError(f"missing field {e.args[0]!r}") from None
         except TypeError as e:
@@ -398,6 +406,14 @@ def cache_path(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -
     return cache_dir() / f"profile-{safe}-w{int(world_size)}-n{int(nodes)}-{normalize_dtype(comm_dtype)}.json"
 
 
+def save_to_cache(profile: Profile) -> Optional[Path]:
+    """Write ``profile`` where ``find_cached_profile`` looks for it; None (nothing written) without a fingerprint."""
+    if not profile.topology_fingerprint:
+        return None
+    return profile.save(cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes,
+                                   profile.comm_dtype))
+
+
 def find_cached_profile(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Optional[Profile]:
     """The cached profile for this setup, or None: absent, or unusable (then warn once and let the caller model)."""
     path = cache_path(fingerprint, world_size, nodes, comm_dtype)
@@ -478,7 +494,7 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
     buckets gain little bandwidth but delay the first all-reduce and shrink overlap with backward. ``comm_ratio`` is
     bytes sent per gradient byte (0.5 for fp32 gradients sent as bf16), since DDP counts bucket size in gradient
     bytes. With ``model_bytes`` (gradient bytes of the model), the cap is lowered so the model still splits into at
-    least ``min_buckets`` buckets.
+    least ``min_buckets`` buckets; without it, the cap is at most ``DEFAULT_MAX_BUCKET_MB``.
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
@@ -512,8 +528,13 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
             bucket_bytes = bound
             reason += (f"; lowered to {format_bytes(bound)} so the {format_bytes(model_bytes)} of gradients split "
                        f"into {min_buckets} buckets that overlap backward")
+    elif bucket_bytes > DEFAULT_MAX_BUCKET_MB * MiB:
+        bucket_bytes = DEFAULT_MAX_BUCKET_MB * MiB
+        reason += (f"; model size unknown: capped at {DEFAULT_MAX_BUCKET_MB:g} MiB so a model of a few hundred MB "
+                   "still splits into several buckets that overlap backward (--model-bytes, or "
+                   "ddp_kwargs(profile, model), bounds it by the real model)")
     else:
-        reason += "; model size unknown, so not bounded for overlap (ddp_kwargs(profile, model) bounds it)"
+        reason += "; model size unknown (--model-bytes, or ddp_kwargs(profile, model), bounds it by the real model)"
     mb = float(f"{bucket_bytes / MiB:.4g}")
     return mb, reason
 

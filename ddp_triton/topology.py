@@ -458,14 +458,32 @@ class Topology:
         return dataclasses.replace(topo, source="file")
 
     def fingerprint(self) -> str:
-        """sha256 hex of the hardware facts in canonical JSON: GPUs, matrix, nodes and link rates.
+        """sha256 hex, in canonical JSON, of the hardware class: what decides how all-reduce performs.
 
-        Leaves out `name`, `source` and `notes`, so that the same machine read from NVML, a preset or a file gives
-        the same fingerprint (a key for cached tuning results).
+        Covers the GPU names and count, the matrix labels, each GPU's NVLinks (to peers and to NVSwitches) and the
+        rate per link, each GPU's PCIe generation and width, the nodes and the inter-node rate. Leaves out what
+        differs between machines of one kind, or between NVML and a preset of the same machine: PCI bus ids, CPU
+        affinity, memory size, compute capability (a preset may not know it; the name fixes it), P2P status (NVML
+        answers it, presets leave it unknown), and `name`, `source`, `notes`. So a profile made from a preset
+        (`autotune --model-only --topology dgx-h100`) is found by the hook on the real machine (a cache key).
         """
-        d = self.to_dict()
-        for key in ("format", "name", "source", "notes"):
-            del d[key]
+        gpus = [
+            {
+                "name": g.name,
+                "pcie_gen": g.pcie_gen,
+                "pcie_width": g.pcie_width,
+                "nvlink_peers": {str(k): v for k, v in sorted(g.nvlink_peers.items())},
+                "nvswitch_links": g.nvswitch_links,
+            }
+            for g in self.gpus
+        ]
+        d = {
+            "gpus": gpus,
+            "matrix": [list(row) for row in self.matrix],
+            "nodes": self.nodes,
+            "nvlink_gbps_per_link": self.nvlink_gbps_per_link,
+            "inter_node_gbps": self.inter_node_gbps,
+        }
         canonical = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 

@@ -234,8 +234,10 @@ class FakeNVML:
 # ---- builders ----
 
 
-def h200_vm() -> FakeNVML:
-    """Replays what NVML answered on our H200 VM; calls the reading did not record raise NotSupported."""
+def h200_vm(*, cc: Optional[tuple] = None) -> FakeNVML:
+    """Replays what NVML answered on our H200 VM; calls the reading did not record raise NotSupported.
+
+    ``cc``: a compute capability to answer as well (the reading has none; a driver that answers gives (9, 0))."""
     reading = json.loads((DATA / "h200_vm_nvml.json").read_text())["nvml"]
     devices = []
     for d in reading["devices"]:
@@ -251,6 +253,7 @@ def h200_vm() -> FakeNVML:
                 "cpu_affinity": d["cpu_affinity"],
                 "numa": d["numa"],
                 "nvlink": d["nvlink"],
+                "cc": cc,
             }
         )
     assert len(devices) == reading["count"]

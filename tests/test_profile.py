@@ -13,9 +13,9 @@ import pytest
 
 from ddp_triton import log
 from ddp_triton.autotune import model_profile
-from ddp_triton.profile import (MiB, Profile, ProfileError, SweepRow, TableEntry, build_table, cache_dir, cache_path,
-                                choose_bucket_cap_mb, ddp_kwargs, find_cached_profile, load_profile,
-                                profile_fingerprint)
+from ddp_triton.profile import (DEFAULT_MAX_BUCKET_MB, MiB, Profile, ProfileError, SweepRow, TableEntry, build_table,
+                                cache_dir, cache_path, choose_bucket_cap_mb, ddp_kwargs, find_cached_profile,
+                                load_profile, profile_fingerprint, save_to_cache)
 from ddp_triton.topology import apply_launch_env, load_topology
 
 
@@ -131,6 +131,9 @@ def _corrupt_variants(good: dict):
     d = json.loads(json.dumps(good))
     d["sweep"] = [{"bytes": "many"}]
     yield "bad-row", json.dumps(d)
+    yield "e2e-not-object", json.dumps(dict(good, e2e=[1]))
+    yield "notes-string", json.dumps(dict(good, notes="abc"))
+    yield "notes-not-strings", json.dumps(dict(good, notes=[1, 2]))
     yield "not-utf8", b"\xff\xfe\x00garbage"
 
 
@@ -148,6 +151,34 @@ def test_corrupt_files_raise_profile_error_naming_the_file(tmp_path):
         assert ei.value.path == str(path)
     with pytest.raises(ProfileError, match="cannot read"):
         Profile.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("field,value", [
+    pytest.param("e2e", [1], id="e2e-list"),
+    pytest.param("e2e", "winner", id="e2e-string"),
+    pytest.param("notes", "abc", id="notes-string"),
+    pytest.param("notes", ["ok", 3], id="notes-with-a-number"),
+    pytest.param("notes", {"a": "b"}, id="notes-object"),
+])
+def test_from_dict_names_a_malformed_e2e_or_notes(field, value):
+    d = dict(small_profile().to_dict(), **{field: value})
+    with pytest.raises(ValueError, match=field):
+        Profile.from_dict(d)
+
+
+def test_from_dict_keeps_valid_e2e_and_notes():
+    d = dict(small_profile().to_dict(), e2e={"winner": {"hook": "allreduce"}}, notes=["a", "b"])
+    p = Profile.from_dict(d)
+    assert p.e2e == {"winner": {"hook": "allreduce"}} and p.notes == ["a", "b"]
+    assert Profile.from_dict(dict(d, e2e=None, notes=None)).notes == []
+
+
+def test_save_to_cache_is_where_the_hook_looks(h100x2):
+    topo, prof = h100x2
+    path = save_to_cache(prof)
+    assert path == cache_path(profile_fingerprint(topo), 16, 2, "bfloat16")
+    assert find_cached_profile(profile_fingerprint(topo), 16, 2, "bfloat16").digest() == prof.digest()
+    assert save_to_cache(small_profile()) is None  # no fingerprint: no key to cache under
 
 
 def test_save_is_atomic_and_makes_directories(tmp_path):
@@ -249,6 +280,20 @@ def test_choose_bucket_cap_mb():
         choose_bucket_cap_mb(rows, fraction=1.5)
     one_rank = [row(1 << 20, "ring", 1.0, busbw=0.0)]
     assert choose_bucket_cap_mb(one_rank)[0] == 25.0
+
+
+def test_bucket_cap_without_model_size_is_bounded():
+    # busbw reaches 90% of its best only at 256 MiB: one bucket for most models, were it not capped.
+    rows = [row(s << 20, "ring", 1.0, busbw=b) for s, b in ((16, 50.0), (64, 80.0), (256, 95.0), (1024, 100.0))]
+    mb, why = choose_bucket_cap_mb(rows)
+    assert mb == DEFAULT_MAX_BUCKET_MB == 64.0
+    assert "model size unknown" in why and "capped at 64 MiB" in why and "--model-bytes" in why
+    # A known model size bounds it instead, above the default for a large model, below for a small one.
+    assert choose_bucket_cap_mb(rows, model_bytes=4096 * MiB, min_buckets=4)[0] == 256.0
+    assert choose_bucket_cap_mb(rows, model_bytes=40 * MiB, min_buckets=4)[0] == 10.0
+    # Below the cap nothing changes; the reason still says how to bound it by the model.
+    mb, why = choose_bucket_cap_mb(rows, fraction=0.5)
+    assert mb == 16.0 and "capped" not in why and "--model-bytes" in why
 
 
 def test_ddp_kwargs_bounds_by_model():

@@ -12,6 +12,7 @@ import pytest
 
 import nvml_fakes
 from ddp_triton.presets import PRESETS as PRESETS_FROM_PRESETS
+from ddp_triton.profile import profile_fingerprint
 from ddp_triton.topology import (
     GPU,
     LEGEND,
@@ -139,17 +140,36 @@ def test_json_round_trip(name, tmp_path):
 def test_fingerprint_is_stable_and_about_hardware():
     topo = tiny()
     # Pinned: the canonical form must not drift between runs, Python versions or releases (cached tuning is
-    # keyed by it). Change it only on purpose, with FORMAT_VERSION.
+    # keyed by it, so a change orphans every cached profile). Change it only on purpose.
     assert topo.fingerprint() == PINNED_TINY_FINGERPRINT
     relabelled = dataclasses.replace(topo, name="other", source="file", notes=["x"])
     assert relabelled.fingerprint() == topo.fingerprint()
     assert tiny(nodes=2).fingerprint() != topo.fingerprint()
     assert tiny(nvlink_gbps_per_link=50).fingerprint() != topo.fingerprint()
     assert tiny(nvlink_gbps_per_link=25.0).fingerprint() == topo.fingerprint()  # int and float agree
+    assert tiny(inter_node_gbps=400).fingerprint() != topo.fingerprint()
     assert len({load_preset(n).fingerprint() for n in PRESETS}) == len(PRESETS)
 
 
-PINNED_TINY_FINGERPRINT = "93109c69086bdb9caa65ad3526b747bf2b8d76b022f179e87a63f97673d9dad2"
+# Re-pinned when the fingerprint was narrowed to the hardware class (bus ids, CPU affinity, memory, compute
+# capability and P2P status left out), so that NVML and a preset of the same machine agree.
+PINNED_TINY_FINGERPRINT = "94bbe7f0e1a80dfbcd56bd2befef805300f6b4f2080a5f9d666355b937a3d2d8"
+
+
+@pytest.mark.parametrize("field,value,same", [
+    pytest.param("pci_bus_id", "00000000:AB:00.0", True, id="bus-id"),
+    pytest.param("cpu_affinity", "0-7", True, id="cpu-affinity"),
+    pytest.param("memory_bytes", 1 << 30, True, id="memory"),
+    pytest.param("compute_capability", None, True, id="compute-capability"),
+    pytest.param("p2p", {1: "OK"}, True, id="p2p"),
+    pytest.param("name", "NVIDIA H200", False, id="gpu-name"),
+    pytest.param("pcie_gen", 4, False, id="pcie-gen"),
+    pytest.param("pcie_width", 8, False, id="pcie-width"),
+])
+def test_fingerprint_covers_the_hardware_class_only(field, value, same):
+    topo = tiny()
+    changed = dataclasses.replace(topo, gpus=[dataclasses.replace(topo.gpus[0], **{field: value}), topo.gpus[1]])
+    assert (changed.fingerprint() == topo.fingerprint()) is same
 
 
 def _valid_dict() -> dict:
@@ -274,6 +294,15 @@ def test_nvml_h200_vm_replay():
     assert fake.calls["nvmlShutdown"] == 1
 
 
+def test_nvml_h200_vm_answering_compute_capability_is_still_the_preset():
+    # A driver that answers the compute capability (the recorded reading has none, nor has the preset).
+    topo = from_nvml(nvml_fakes.h200_vm(cc=(9, 0)))
+    preset = load_preset("h200-vm-1gpu")
+    assert topo.gpus[0].compute_capability == (9, 0) and preset.gpus[0].compute_capability is None
+    assert topo.fingerprint() == preset.fingerprint()
+    assert profile_fingerprint(topo) == profile_fingerprint(preset)
+
+
 def test_nvml_dgx_h100_nvswitch():
     topo = from_nvml(nvml_fakes.dgx_h100())
     preset = load_preset("dgx-h100")
@@ -286,10 +315,16 @@ def test_nvml_dgx_h100_nvswitch():
     assert all(g.pcie_gen == 5 for g in topo.gpus)  # the max, not the idle gen1
     assert topo.nvlink_gbps_per_link == 25.0 and topo.intra_node_gbps == 450.0
     assert topo.inter_node_gbps is None and any("NICs" in n for n in topo.notes)
-    # With the NIC figure NVML cannot see, and without the bus ids the preset leaves out, it is the preset.
-    placed = apply_launch_env(topo, inter_node_gbps=400, env={})
-    placed.gpus = [dataclasses.replace(g, pci_bus_id=None) for g in placed.gpus]
-    assert placed.fingerprint() == preset.fingerprint()
+    # NVML reports bus ids, CPU affinity and compute capability as the machine has them; the preset has no bus
+    # ids. The same hardware class all the same: with the NIC rate NVML cannot see it is the preset, and the
+    # profile key (which leaves the inter-node rate out) is the preset's, so the hook finds a preset's profile.
+    assert all(g.pci_bus_id == bus for g, bus in zip(topo.gpus, nvml_fakes.DGX_H100_BUS_IDS))
+    assert all(g.pci_bus_id is None and g.compute_capability == (9, 0) for g in preset.gpus)
+    assert all(g.compute_capability == (9, 0) and g.cpu_affinity for g in topo.gpus)
+    assert apply_launch_env(topo, inter_node_gbps=400, env={}).fingerprint() == preset.fingerprint()
+    assert profile_fingerprint(topo) == profile_fingerprint(preset)
+    on_four = [apply_launch_env(t, nodes=4, env={}) for t in (topo, preset)]
+    assert profile_fingerprint(on_four[0]) == profile_fingerprint(on_four[1])
 
 
 def test_nvml_nvswitch_without_remote_device_type():
