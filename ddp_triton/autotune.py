@@ -14,17 +14,19 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
 from . import cost_model as cm
 from .algo_groups import nccl_version
-from .measure import E2E_HOOKS, run_e2e, run_sweep
+from .measure import E2E_HOOKS, agree_on_plan, run_e2e, run_sweep
 from .profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, TableEntry, build_table,
-                      choose_bucket_cap_mb, format_bytes, profile_fingerprint, rows_for_dtype)
+                      choose_bucket_cap_mb, format_bytes, now_iso, profile_fingerprint, rows_for_dtype,
+                      save_to_cache)
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
 TUNER_MAX_BYTES = (1 << 64) - 1
@@ -105,12 +107,38 @@ def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Seque
 
 
 def default_algorithms(topo: Any, backend: str, comm_dtype: str = "bfloat16") -> List[str]:
-    """What a measurement sweeps: one ("ring") on gloo; on NCCL what the model says NCCL can run here."""
+    """What a measurement sweeps: one ("ring") on gloo; on NCCL what NCCL can run here.
+
+    Decided from the topology's layout (GPUs per node, nodes, NVSwitch, GPU generation), the dtype and NCCL's
+    version, not from link rates: NVML sees no NICs, so a multi-node topology read from it has no inter-node rate,
+    and measuring must not need one.
+    """
     if backend != "nccl":
         return ["ring"]
     if topo is None:
         return ["ring", "tree"]
-    return cm.available_algorithms(cm.Fabric.from_topology(topo), comm_dtype, nccl_version())
+    return cm.available_algorithms(cm.Layout.from_topology(topo), comm_dtype, nccl_version())
+
+
+def _measure_plan(topo: Any, backend: str, sizes: Optional[Sequence[int]], algorithms: Optional[Sequence[str]],
+                  comm_dtype: str, dtypes: Optional[Sequence[str]], warmup: int, iters: int) -> Dict[str, Any]:
+    """What this rank would measure (sizes, dtypes, algorithms per dtype, ...), or ``{"error": why}``."""
+    try:
+        comm_dtype = cm.normalize_dtype(comm_dtype)
+        dts = [cm.normalize_dtype(d) for d in (dtypes or [comm_dtype])]
+        if comm_dtype not in dts:
+            dts.append(comm_dtype)
+        if algorithms:
+            algs = {dt: list(algorithms) for dt in dts}
+        else:
+            algs = {dt: default_algorithms(topo, backend, dt) for dt in dts}
+        if backend != "nccl" and any(a != ["ring"] for a in algs.values()):
+            raise ValueError(f"backend {backend!r} has one all-reduce algorithm; cannot sweep {algs[comm_dtype]}")
+        size_list = [int(s) for s in sizes] if sizes is not None else cm.default_sizes()
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"comm_dtype": comm_dtype, "dtypes": dts, "sizes": size_list, "algorithms": algs, "warmup": int(warmup),
+            "iters": int(iters)}
 
 
 def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
@@ -121,21 +149,18 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
     """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
 
     ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
-    algorithm is recorded as ``ring``.
+    algorithm is recorded as ``ring``. Every rank measures rank 0's plan (sizes, dtypes, algorithms, comm dtype,
+    warmup, iters): ranks that read their machine or NCCL version differently must still issue the same
+    collectives. A plan rank 0 cannot make is a ValueError on every rank.
     """
     backend = str(dist.get_backend()).lower()
-    comm_dtype = cm.normalize_dtype(comm_dtype)
-    dtypes = [cm.normalize_dtype(d) for d in (dtypes or [comm_dtype])]
-    if comm_dtype not in dtypes:
-        dtypes.append(comm_dtype)
-    sizes = list(sizes) if sizes is not None else cm.default_sizes()
-    algs = list(algorithms) if algorithms else default_algorithms(topo, backend, comm_dtype)
+    plan = agree_on_plan(_measure_plan(topo, backend, sizes, algorithms, comm_dtype, dtypes, warmup, iters))
+    comm_dtype, warmup, iters = plan["comm_dtype"], plan["warmup"], plan["iters"]
     notes = []
     if backend != "nccl":
-        if algs != ["ring"]:
-            raise ValueError(f"backend {backend!r} has one all-reduce algorithm; cannot sweep {algs}")
         notes.append(f"backend {backend}: one all-reduce algorithm, recorded as 'ring'")
-    rows = run_sweep(sizes, algs, dtypes, warmup=warmup, iters=iters, progress=progress)
+    rows = run_sweep(plan["sizes"], plan["algorithms"], plan["dtypes"], warmup=warmup, iters=iters,
+                     progress=progress)
     world = dist.get_world_size()
     nodes = topo.nodes if topo is not None and world % topo.nodes == 0 else 1
     notes.append(f"measured: {warmup} warm-up + {iters} timed all-reduces per point, slowest rank's median")
@@ -158,23 +183,49 @@ def e2e_profile(factory: str, base: Profile, bucket_mbs: Optional[Sequence[float
 
     Candidates: each hook in ``hooks`` x each bucket size (default: ``measure.e2e_bucket_candidates`` around the
     base profile's choice, bounded by the model's size). The winner's bucket size becomes ``bucket_cap_mb``; its
-    hook is in ``e2e["winner"]`` (comm_dtype float32 when the winner is DDP's own fp32 all-reduce).
+    hook is in ``e2e["winner"]`` (comm_dtype float32 when the winner is DDP's own fp32 all-reduce). Every rank
+    times rank 0's candidates (factory, base profile, hooks, bucket sizes, warmup, steps).
     """
-    for h in hooks:
-        if h not in E2E_HOOKS:
-            raise ValueError(f"unknown hook {h!r}; known: {', '.join(E2E_HOOKS)}")
+    base_dict = base.to_dict()
+    del base_dict["created"]  # a timestamp: ranks that made the same base profile differ only in it
+    plan = {"factory": factory, "base": base_dict, "hooks": list(hooks), "warmup": int(warmup),
+            "steps": int(steps), "bucket_mbs": None if bucket_mbs is None else [float(b) for b in bucket_mbs]}
+    bad = [h for h in hooks if h not in E2E_HOOKS]
+    if bad:
+        plan = {"error": f"unknown hook {bad[0]!r}; known: {', '.join(E2E_HOOKS)}"}
+    # Every rank times rank 0's candidates: a base profile read from each node's own cache may differ.
+    plan = agree_on_plan(plan)
+    factory, base, hooks = plan["factory"], Profile.from_dict(plan["base"]), plan["hooks"]
+    warmup, steps, bucket_mbs = plan["warmup"], plan["steps"], plan["bucket_mbs"]
     result = run_e2e(factory, bucket_mbs, hooks, warmup, steps, base.to_dict())
     win = result["winner"]
     timed = [c for c in result["candidates"] if "step_ms" in c]
     d = base.to_dict()
     d.update(source="e2e", bucket_cap_mb=win["bucket_cap_mb"], e2e=result,
              comm_dtype="float32" if win["hook"] == "allreduce" else base.comm_dtype,
-             world_size=dist.get_world_size(), versions=software_versions())
+             world_size=dist.get_world_size(), versions=software_versions(), created=now_iso())
     d["bucket_reason"] = (f"fastest of {len(timed)} timed DDP configurations: hook {win['hook']}, bucket_cap_mb "
                           f"{win['bucket_cap_mb']:g}: {win['step_ms']:.3f} ms/step (slowest rank's median of "
                           f"{steps} steps)")
     d["notes"] = list(base.notes) + [f"e2e: base table from a {base.source} profile"]
     return Profile.from_dict(d)
+
+
+def share_profile(profile: Optional[Dict[str, Any]], cache: bool = True) -> Tuple[Dict[str, Any], Optional[Path]]:
+    """Rank 0's profile dict on every rank (every rank calls this), cached on every node.
+
+    The hook's ``profile="auto"`` reads the cache of the node it runs on, and the ranks' profile check fails
+    everywhere if one node has none: so with ``cache``, the first process of every node other than rank 0's
+    (``LOCAL_RANK`` 0) writes rank 0's profile to its cache. Rank 0 writes its own with the rest of its output.
+    Returns the dict and the cache file this rank wrote (None when it wrote none).
+    """
+    box = [profile if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    path = None
+    if cache and dist.get_rank() != 0 and os.environ.get("LOCAL_RANK") == "0":
+        path = save_to_cache(Profile.from_dict(shared))
+    return shared, path
 
 
 # --------------------------------------------------------------------------------------------------------------------

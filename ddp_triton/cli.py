@@ -25,6 +25,10 @@ from typing import Any, List, NoReturn, Optional, Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
+#: dtypes the hook can all-reduce in (``ddp_triton.state.COMM_DTYPES``, spelled as profiles spell them; not
+#: imported from there, which would load Triton for every command). ``--dtypes`` may time others.
+HOOK_COMM_DTYPES = ("bfloat16", "float16", "float32")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -162,28 +166,50 @@ def _launch_topology(args: argparse.Namespace, world_size: Optional[int], requir
         raise UsageError(str(e)) from None
 
 
-def _sizes(args: argparse.Namespace) -> List[int]:
-    from .cost_model import default_sizes
+def _sizes(args: argparse.Namespace, comm_dtype: str) -> List[int]:
+    from .cost_model import default_sizes, dtype_size
 
     if args.min_bytes > args.max_bytes:
         raise UsageError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
     try:
-        return default_sizes(args.min_bytes, args.max_bytes)
+        sizes = default_sizes(args.min_bytes, args.max_bytes)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if sizes[-1] < dtype_size(comm_dtype):
+        raise UsageError(f"--max-bytes {args.max_bytes} is less than one {comm_dtype} element")
+    return sizes
+
+
+def _check_tuner_csv(args: argparse.Namespace, topo: Any, backend: str) -> None:
+    """Before measuring: can the measured profile become NCCL's tuner CSV? It needs the cost model's protocol per
+    range, hence an NCCL measurement and a topology the model can describe."""
+    if not args.nccl_tuner_csv:
+        return
+    if backend != "nccl":
+        raise UsageError(f"--nccl-tuner-csv needs NCCL's protocols; backend {backend} has none (use --backend nccl, "
+                         "or --model-only)")
+    if topo is None:
+        raise UsageError("--nccl-tuner-csv needs a protocol per range, guessed by the cost model from the topology: "
+                         "pass --topology")
+    from .cost_model import Fabric
+
+    try:
+        Fabric.from_topology(topo)
+    except ValueError as e:
+        raise UsageError(f"--nccl-tuner-csv needs the cost model's protocols: {e}") from None
 
 
 def _emit(profile: Any, args: argparse.Namespace) -> int:
     """Write the profile where asked: cache, --out, --nccl-tuner-csv, stdout."""
     from .autotune import write_nccl_tuner_csv
-    from .profile import cache_path
+    from .profile import save_to_cache
 
     human = sys.stderr if args.json else sys.stdout
     written = []
     if not args.no_cache:
-        if profile.topology_fingerprint:
-            written.append(profile.save(cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes,
-                                                   profile.comm_dtype)))
+        cached = save_to_cache(profile)
+        if cached is not None:
+            written.append(cached)
         else:
             print("not cached: no topology fingerprint", file=human)
     if args.out:
@@ -214,6 +240,9 @@ def cmd_autotune(args: argparse.Namespace) -> int:
         dtypes = [cm.normalize_dtype(d) for d in args.dtypes] if args.dtypes else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if comm_dtype not in HOOK_COMM_DTYPES:
+        raise UsageError(f"--comm-dtype {args.comm_dtype}: the hook all-reduces in {', '.join(HOOK_COMM_DTYPES)} "
+                         "only (--dtypes may time others)")
     if args.algorithms:
         bad = [a for a in args.algorithms if a not in cm.ALGORITHMS]
         if bad:
@@ -236,7 +265,8 @@ def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
 
     topo = _launch_topology(args, args.world_size, required=True)
     try:
-        prof = model_profile(topo, comm_dtype=comm_dtype, sizes=_sizes(args), **_common_profile_kwargs(args))
+        prof = model_profile(topo, comm_dtype=comm_dtype, sizes=_sizes(args, comm_dtype),
+                             **_common_profile_kwargs(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
     return _emit(prof, args)
@@ -246,7 +276,7 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
     import torch
     import torch.distributed as dist
 
-    from .autotune import e2e_worker, fallback_profile, measure_worker, model_profile
+    from .autotune import e2e_worker, fallback_profile, measure_worker, model_profile, share_profile
     from .measure import init_in_place, spawn_local
     from .profile import Profile
 
@@ -282,7 +312,7 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
         raise UsageError(f"--world-size {args.world_size} does not match the {world} processes that will run "
                          "(set --nproc, or the launcher's world size)")
     topo = _launch_topology(args, world, required=False)
-    sizes = _sizes(args)
+    sizes = _sizes(args, comm_dtype)
     if args.e2e:
         from .measure import load_factory
         from .profile import find_cached_profile, profile_fingerprint
@@ -301,21 +331,30 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
                     base = None
         if base is None:
             base = fallback_profile(world, topo.nodes if topo is not None else 1, comm_dtype, backend)
+        if args.nccl_tuner_csv and any(t.protocol is None for t in base.table):
+            raise UsageError("--nccl-tuner-csv needs a protocol per range; the base profile e2e mode starts from "
+                             "has none (no topology the cost model can describe, or a cached profile measured "
+                             "without one): pass --topology (and --inter-node-gbps for several nodes), or make the "
+                             "CSV with --model-only")
         config = {"factory": args.e2e, "base": base.to_dict(), "bucket_mbs": args.buckets,
                   "hooks": args.hooks, "warmup": args.warmup if args.warmup is not None else 3,
                   "steps": args.steps}
         worker, fn_path = e2e_worker, "ddp_triton.autotune:e2e_worker"
     else:
+        _check_tuner_csv(args, topo, backend)
         config = {"topology": topo.to_dict() if topo is not None else None, "sizes": sizes,
                   "algorithms": args.algorithms, "comm_dtype": comm_dtype, "dtypes": dtypes,
                   "warmup": args.warmup if args.warmup is not None else 5, "iters": args.iters,
                   "progress": not args.no_progress, **_common_profile_kwargs(args)}
         worker, fn_path = measure_worker, "ddp_triton.autotune:measure_worker"
+    # Usage was checked above: from here on, any error (ValueError included) is a failure while measuring.
     try:
         if torchrun or nproc == 1:
             created = init_in_place(backend)
             try:
                 result = worker(config)
+                if torchrun:  # rank 0's profile, cached on every node for the hook's profile="auto"
+                    result, _ = share_profile(result, cache=not args.no_cache)
             finally:
                 if created:
                     dist.destroy_process_group()
@@ -323,7 +362,7 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
                 return EXIT_OK  # rank 0 reports
         else:
             result = spawn_local(fn_path, nproc, backend, (config,), timeout_s=args.timeout)
-    except (ValueError, ImportError) as e:
+    except ImportError as e:
         raise UsageError(str(e)) from None
     except Exception as e:  # a failure while measuring: report it whole, exit 1
         print(f"ddp-triton: autotune failed: {e.__class__.__name__}: {e}", file=sys.stderr)
@@ -402,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--inter-node-gbps", type=_positive_float, metavar="GBPS",
                       help="inter-node bandwidth per node per direction, GB/s (8 x 400 Gb/s = 400)")
     sw = a.add_argument_group("sweep")
-    sw.add_argument("--comm-dtype", default="bfloat16", help="dtype the hook all-reduces in (default bfloat16)")
+    sw.add_argument("--comm-dtype", default="bfloat16",
+                    help="dtype the hook all-reduces in: bfloat16 (default), float16 or float32")
     sw.add_argument("--dtypes", type=_csv_list, help="dtypes to time, comma-separated (default: the comm dtype)")
     sw.add_argument("--min-bytes", type=parse_size, default=1 << 10, metavar="SIZE", help="smallest size (1K)")
     sw.add_argument("--max-bytes", type=parse_size, default=1 << 30, metavar="SIZE", help="largest size (1G)")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 # --------------------------------------------------------------------------------------------------------------------
 # Algorithms, protocols and dtypes
@@ -87,10 +87,19 @@ _DTYPE_ALIASES = {"fp64": "float64", "double": "float64", "fp32": "float32", "fl
 #: dtypes NVLS can reduce with a sum (NCCL ``ncclNvlsSupported`` in src/include/device.h): no 8-bit types.
 NVLS_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "int64", "int32"})
 
+#: NCCL releases in which ``ncclNvlsInit`` (src/transport/nvls.cc) turns NVLS off for ``gpuCount <= 2``, i.e. needs
+#: at least 3 GPUs of the communicator on a node: 2.18.1 up to 2.28.3. 2.17 (``localRanks <= 1``) and 2.28.7 on
+#: (``gpuCount < 2``) need 2. First and last release of the range, end exclusive.
+NVLS_NEEDS_3_GPUS = ((2, 18, 1), (2, 28, 7))
+#: NCCL 2.20 also turned NVLS off across nodes (``comm->nNodes > 1`` in the same check): no nvls_tree there.
+NVLS_SINGLE_NODE_ONLY = ((2, 20, 0), (2, 21, 0))
+
 # --------------------------------------------------------------------------------------------------------------------
 # NCCL 2.30.7 tuning constants (src/graph/tuning.cc), microseconds; index [protocol] = LL, LL128, Simple
 # --------------------------------------------------------------------------------------------------------------------
 
+#: ``baseLatencies``. NCCL adds it for NVLSTree (only NVLS overwrites it), but both rows are 0 since 2.19 (2.18 had
+#: 23 us for Simple), so ``_latency_us`` adds a 0 for nvls_tree.
 BASE_LATENCY_US: Dict[str, Tuple[float, float, float]] = {
     "tree": (6.8, 14.0, 8.4),
     "ring": (6.6, 14.0, 8.4),
@@ -224,6 +233,38 @@ class Fabric:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where the ranks sit and what joins them, without link rates: all that decides which algorithms NCCL can run.
+
+    ``Fabric`` has the same fields (and the rates the timings need). Planning a measurement uses a Layout, as NVML
+    sees no NICs and so gives no inter-node rate."""
+
+    ranks_per_node: int
+    nodes: int = 1
+    nvswitch: bool = False
+    arch: str = "unknown"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
+        if self.arch not in KNOWN_ARCHES:
+            raise ValueError(f"arch must be one of {KNOWN_ARCHES}, got {self.arch!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @classmethod
+    def from_topology(cls, topo: Any) -> "Layout":
+        """From a ``ddp_triton.topology.Topology``: nodes, GPUs per node, NVSwitch and GPU generation."""
+        arch = getattr(topo, "arch", "unknown")
+        return cls(ranks_per_node=int(topo.gpus_per_node), nodes=int(topo.nodes), nvswitch=bool(topo.has_nvswitch),
+                   arch=arch if arch in KNOWN_ARCHES else "unknown")
+
+
+@dataclass(frozen=True)
 class Estimate:
     """The model's answer for one (message size, algorithm): NCCL's best protocol and what it costs."""
 
@@ -316,9 +357,22 @@ def parse_nccl_version(v: Any) -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def algorithm_unavailable_reason(fabric: Fabric, algorithm: str, dtype: Any = "bfloat16",
+def _in_range(version: Tuple[int, int, int], bounds: Tuple[Tuple[int, int, int], Tuple[int, int, int]]) -> bool:
+    return bounds[0] <= tuple(version) < bounds[1]
+
+
+def nvls_min_ranks_per_node(nccl_version: Optional[Tuple[int, int, int]] = None) -> int:
+    """Fewest ranks per node with which NCCL enables NVLS; with the version unknown, the stricter 3 (forcing an
+    algorithm NCCL has turned off makes every all-reduce fail)."""
+    if nccl_version is None or _in_range(nccl_version, NVLS_NEEDS_3_GPUS):
+        return 3
+    return 2
+
+
+def algorithm_unavailable_reason(fabric: Union[Fabric, Layout], algorithm: str, dtype: Any = "bfloat16",
                                  nccl_version: Optional[Tuple[int, int, int]] = None) -> Optional[str]:
-    """Why NCCL would not run ``algorithm`` for this fabric, dtype and NCCL version; None when it can."""
+    """Why NCCL would not run ``algorithm`` for this fabric (or rate-free layout), dtype and NCCL version; None when
+    it can."""
     if algorithm not in ALGORITHMS:
         return f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}"
     if nccl_version is not None and tuple(nccl_version) < MIN_NCCL_VERSION[algorithm]:
@@ -332,18 +386,26 @@ def algorithm_unavailable_reason(fabric: Fabric, algorithm: str, dtype: Any = "b
             return f"{algorithm} needs Hopper or later GPUs, these are {fabric.arch}"
         if not fabric.nvswitch:
             return f"{algorithm} needs NVSwitch"
-        if fabric.ranks_per_node < 2:
-            return f"{algorithm} needs at least 2 GPUs per node"
+        need = nvls_min_ranks_per_node(nccl_version)
+        if fabric.ranks_per_node < need:
+            if need == 3:
+                rule = ("NCCL 2.18.1 to 2.28.3 turn NVLS off with 2 or fewer" if nccl_version is None else
+                        f"NCCL {'.'.join(map(str, nccl_version))} turns NVLS off with 2 or fewer")
+            else:
+                rule = "NCCL turns NVLS off with one"
+            return f"{algorithm} needs at least {need} GPUs per node ({rule}); this has {fabric.ranks_per_node}"
         if normalize_dtype(dtype) not in NVLS_DTYPES:
             return f"{algorithm} cannot reduce {normalize_dtype(dtype)}"
         if algorithm == "nvls" and fabric.nodes > 1:
             return "nvls across nodes needs CollNet; NCCL uses nvls_tree there"
         if algorithm == "nvls_tree" and fabric.nodes == 1:
             return "nvls_tree is disabled by NCCL on a single node"
+        if nccl_version is not None and _in_range(nccl_version, NVLS_SINGLE_NODE_ONLY):
+            return f"NCCL {'.'.join(map(str, nccl_version))} turns NVLS off across nodes"
     return None
 
 
-def available_algorithms(fabric: Fabric, dtype: Any = "bfloat16",
+def available_algorithms(fabric: Union[Fabric, Layout], dtype: Any = "bfloat16",
                          nccl_version: Optional[Tuple[int, int, int]] = None) -> List[str]:
     """The algorithms NCCL can run here, in canonical order."""
     return [a for a in ALGORITHMS if algorithm_unavailable_reason(fabric, a, dtype, nccl_version) is None]

@@ -6,6 +6,7 @@ What is timed, and how:
   alone (CUDA events around each on the GPU, no host sync between them; wall clock around each on CPU). Every rank
   takes its median; the row reports the slowest rank's median (an all-reduce is as slow as its slowest rank, as
   nccl-tests reports the maximum over ranks). In-place, like DDP. One more all-reduce of ones then checks the sum.
+  Every rank follows rank 0's plan (``agree_on_plan``): sizes, dtypes, algorithms, warmup and iterations.
 * ``run_e2e``: real DDP training steps of the user's model for candidate bucket sizes and comm hooks; the median
   step time of the slowest rank decides.
 
@@ -25,13 +26,14 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .algo_groups import make_algorithm_groups
 from .cost_model import busbw_factor, dtype_size, normalize_dtype
+from .log import warn_once
 
 # --------------------------------------------------------------------------------------------------------------------
 # Process groups
@@ -185,36 +187,66 @@ def _check_sum(buf: torch.Tensor, group: Any, world: int) -> int:
     return int(((buf.float() - world).abs() > world * 2.0 ** -6).sum().item())
 
 
-def run_sweep(sizes: Sequence[int], algorithms: Sequence[str], dtypes: Sequence[str], warmup: int = 5,
-              iters: int = 20, progress: bool = True,
+def agree_on_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
+    """Rank 0's ``plan`` (a picklable dict) on every rank; every rank of the default group calls this.
+
+    Ranks that read their machine or NCCL version differently would otherwise create different groups and issue
+    different all-reduces, and hang. A rank whose own plan differs warns and follows rank 0. A plan
+    ``{"error": message}`` from rank 0 (it could not make one) is raised as ValueError on every rank alike.
+    """
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+    agreed = box[0]
+    if "error" in agreed:
+        raise ValueError(agreed["error"])
+    if agreed != plan:
+        differ = sorted(k for k in set(agreed) | set(plan) if agreed.get(k) != plan.get(k))
+        warn_once(f"rank {dist.get_rank()}: its measurement plan differs from rank 0's in {', '.join(differ)}; "
+                  "following rank 0's", all_ranks=True)
+    return agreed
+
+
+def run_sweep(sizes: Sequence[int], algorithms: Union[Sequence[str], Mapping[str, Sequence[str]]],
+              dtypes: Sequence[str], warmup: int = 5, iters: int = 20, progress: bool = True,
               groups: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Time every (dtype, size, algorithm) on the default group; every rank returns the same rows.
 
+    ``algorithms``: one list for every dtype, or a list per dtype (NVLS cannot reduce 8-bit types). Every rank
+    times rank 0's sizes, dtypes, algorithms, warmup and iters (``agree_on_plan``).
     Rows: ``bytes, algorithm, time_us, algbw_gbps, busbw_gbps, dtype, protocol (None)`` with the slowest rank's
-    median. ``groups`` maps algorithm to process group (default: ``make_algorithm_groups(algorithms)``). Raises
-    RuntimeError on every rank if a sum check finds wrong elements.
+    median. ``groups`` maps algorithm to process group (default: ``make_algorithm_groups`` of every algorithm
+    timed). Raises RuntimeError on every rank if a sum check finds wrong elements.
     """
+    dtypes = [normalize_dtype(d) for d in dtypes]
+    if isinstance(algorithms, Mapping):
+        given = {normalize_dtype(k): list(v) for k, v in algorithms.items()}
+        per_dtype = {dt: given.get(dt, []) for dt in dtypes}
+    else:
+        per_dtype = {dt: list(algorithms) for dt in dtypes}
+    agreed = agree_on_plan({"sizes": [int(s) for s in sizes], "dtypes": dtypes, "algorithms": per_dtype,
+                            "warmup": int(warmup), "iters": int(iters)})
+    sizes, dtypes, per_dtype = agreed["sizes"], agreed["dtypes"], agreed["algorithms"]
+    warmup, iters = agreed["warmup"], agreed["iters"]
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got {warmup}, {iters}")
     world = dist.get_world_size()
     rank = dist.get_rank()
     device = comm_device()
     if groups is None:
-        groups = make_algorithm_groups(algorithms)
-    dtypes = [normalize_dtype(d) for d in dtypes]
-    plan = [(dt, s, a) for dt in dtypes for s in sizes if s >= dtype_size(dt) for a in algorithms]
+        groups = make_algorithm_groups({a for algs in per_dtype.values() for a in algs})
+    plan = [(dt, s, a) for dt in dtypes for s in sizes if s >= dtype_size(dt) for a in per_dtype[dt]]
     bar = Progress(len(plan), enabled=progress and rank == 0)
     medians: List[float] = []
     wrong: List[float] = []
     for dt in dtypes:
         itemsize = dtype_size(dt)
         fitting = [s for s in sizes if s >= itemsize]
-        if not fitting:
+        if not fitting or not per_dtype[dt]:
             continue
         storage = torch.zeros(max(fitting) // itemsize, dtype=getattr(torch, dt), device=device)
         for s in fitting:
             buf = storage[: s // itemsize]
-            for a in algorithms:
+            for a in per_dtype[dt]:
                 _sync(device)  # ranks start each point together
                 buf.zero_()  # zeros stay zeros: no overflow however many iterations
                 medians.append(statistics.median(_time_allreduce(buf, groups[a], warmup, iters)))

@@ -11,17 +11,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
+import nvml_fakes
 from dist_utils import run_workers
+from ddp_triton import autotune
 from ddp_triton import cost_model as cm
-from ddp_triton.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, e2e_profile, fallback_profile, measure_profile,
-                                 model_profile, write_nccl_tuner_csv)
+from ddp_triton.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default_algorithms, e2e_profile, fallback_profile,
+                                 measure_profile, model_profile, share_profile, write_nccl_tuner_csv)
 from ddp_triton.measure import e2e_bucket_candidates, format_rows, load_factory
-from ddp_triton.profile import Profile, TableEntry
-from ddp_triton.topology import apply_launch_env, load_topology
+from ddp_triton.profile import Profile, TableEntry, cache_path
+from ddp_triton.topology import apply_launch_env, from_nvml, load_topology
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +67,45 @@ def test_model_profile_bucket_bounded_by_model_size():
     bounded = model_profile(topo, model_bytes=64 << 20, min_buckets=4)
     assert bounded.bucket_cap_mb == 16.0 < unbounded.bucket_cap_mb
     assert "4 buckets" in bounded.bucket_reason
+
+
+def test_model_profile_bucket_capped_without_model_size():
+    # Bandwidth alone would pick a bucket of hundreds of MiB on 4 nodes; unknown model size caps it at 64 MiB.
+    p = model_profile(apply_launch_env(load_topology("dgx-h100"), nodes=4, env={}))
+    assert p.bucket_cap_mb <= 64.0 and "model size unknown" in p.bucket_reason
+
+
+def _dgx_h100_nvml(nodes: int, world_size: Optional[int] = None):
+    """The DGX H100 as NVML reads it (no NIC, so no inter-node rate), launched on ``nodes`` nodes."""
+    return apply_launch_env(from_nvml(nvml_fakes.dgx_h100()), nodes=nodes, world_size=world_size, env={})
+
+
+@pytest.mark.parametrize("nodes,world,version,expected", [
+    pytest.param(4, None, None, ["ring", "tree", "nvls_tree"], id="4nodes-8gpus"),
+    pytest.param(4, None, (2, 21, 5), ["ring", "tree", "nvls_tree"], id="4nodes-8gpus-nccl2.21"),
+    pytest.param(4, None, (2, 20, 5), ["ring", "tree"], id="4nodes-nccl2.20-no-nvls-across-nodes"),
+    pytest.param(4, 8, None, ["ring", "tree"], id="4nodes-2gpus"),
+    pytest.param(4, 8, (2, 28, 9), ["ring", "tree", "nvls_tree"], id="4nodes-2gpus-nccl2.28.9"),
+    pytest.param(1, 2, (2, 27, 7), ["ring", "tree"], id="1node-2gpus-nccl2.27"),
+    pytest.param(1, 3, (2, 27, 7), ["ring", "tree", "nvls"], id="1node-3gpus-nccl2.27"),
+])
+def test_default_algorithms_from_nvml_without_a_nic_rate(monkeypatch, nodes, world, version, expected):
+    topo = _dgx_h100_nvml(nodes, world)
+    assert topo.inter_node_gbps is None
+    monkeypatch.setattr(autotune, "nccl_version", lambda: version)
+    assert default_algorithms(topo, "nccl", "bfloat16") == expected
+    assert default_algorithms(topo, "gloo", "bfloat16") == ["ring"]
+
+
+def test_measure_plan_per_dtype(monkeypatch):
+    monkeypatch.setattr(autotune, "nccl_version", lambda: (2, 21, 5))
+    plan = autotune._measure_plan(_dgx_h100_nvml(4), "nccl", None, None, "bf16", ["int8"], 5, 20)
+    # NVLS cannot sum 8-bit types: int8 is timed without it, the comm dtype with it.
+    assert plan["algorithms"] == {"int8": ["ring", "tree"], "bfloat16": ["ring", "tree", "nvls_tree"]}
+    assert plan["dtypes"] == ["int8", "bfloat16"] and plan["comm_dtype"] == "bfloat16"
+    assert plan["sizes"] == cm.default_sizes() and (plan["warmup"], plan["iters"]) == (5, 20)
+    bad = autotune._measure_plan(None, "gloo", [1024], ["ring", "tree"], "float32", None, 1, 1)
+    assert "one all-reduce algorithm" in bad["error"]
 
 
 def test_write_nccl_tuner_csv(tmp_path):
@@ -151,6 +193,71 @@ def test_measure_and_e2e_on_gloo(tmp_path):
     # Both files load back, and rank 0 wrote what every rank agreed on.
     assert Profile.load(tmp_path / "measured.json").source == "measured"
     assert Profile.load(tmp_path / "e2e.json").e2e["winner"]["hook"] in ("allreduce", "bf16_compress")
+
+
+def _ranks_disagree(rank: int, world: int) -> None:
+    # Each rank is given other sizes, dtypes, comm dtype, warm-up and iterations: all follow rank 0.
+    if rank == 0:
+        kw = {"sizes": [1024, 4096], "comm_dtype": "float32", "dtypes": ["float32"], "warmup": 1, "iters": 3}
+    else:
+        kw = {"sizes": [2048, 8192, 16384], "comm_dtype": "bfloat16", "dtypes": ["bfloat16", "float16"],
+              "warmup": 0, "iters": 2}
+    p = measure_profile(progress=False, **kw)
+    assert p.comm_dtype == "float32"
+    assert sorted((r.dtype, r.nbytes) for r in p.sweep) == [("float32", 1024), ("float32", 4096)]
+    assert any("1 warm-up + 3 timed" in n for n in p.notes)
+    # A plan rank 0 cannot make fails on every rank, instead of rank 0 leaving the others waiting.
+    with pytest.raises(ValueError, match="one all-reduce algorithm"):
+        measure_profile(sizes=[1024], algorithms=["ring", "tree"] if rank == 0 else ["ring"], progress=False)
+    # e2e: rank 0's base profile and candidates (a base read from each node's own cache may differ).
+    base = fallback_profile(2, 1, "float32", "gloo")
+    if rank != 0:
+        base = Profile.from_dict(dict(base.to_dict(), bucket_cap_mb=99.0, notes=["rank 1's own base"]))
+    e = e2e_profile("test_autotune:tiny_factory", base, bucket_mbs=[0.001] if rank == 0 else [1.0, 2.0],
+                    hooks=["allreduce"], warmup=1 if rank == 0 else 0, steps=2 if rank == 0 else 3)
+    assert [(c["hook"], c["bucket_cap_mb"]) for c in e.e2e["candidates"]] == [("allreduce", 0.001)]
+    assert (e.e2e["warmup"], e.e2e["steps"]) == (1, 2)
+    assert "rank 1's own base" not in e.notes and e.created
+
+
+def test_ranks_measure_rank_0s_plan():
+    run_workers(_ranks_disagree, 2, timeout=90)
+
+
+def _share(rank: int, world: int, root: str) -> None:
+    topo = apply_launch_env(load_topology("dgx-h100"), nodes=2, env={})
+    prof = model_profile(topo)
+    mine = prof.to_dict() if rank == 0 else dict(prof.to_dict(), bucket_cap_mb=1.0)  # rank 1's differs
+
+    def cache_of(node: str) -> str:
+        os.environ["XDG_CACHE_HOME"] = os.path.join(root, node)
+        return str(cache_path(prof.topology_fingerprint, prof.world_size, prof.nodes, prof.comm_dtype))
+
+    # Two nodes, one rank each: both first on their node (LOCAL_RANK 0), each with its own cache directory.
+    os.environ["LOCAL_RANK"] = "0"
+    expected = cache_of(f"node{rank}")
+    shared, path = share_profile(mine)
+    assert shared["bucket_cap_mb"] == prof.bucket_cap_mb  # rank 0's, on rank 1 too
+    if rank == 0:
+        assert path is None and not os.path.exists(expected)  # rank 0 caches it with the rest of its output
+    else:
+        assert str(path) == expected
+        cached = Profile.load(path)
+        assert cached.to_dict() == shared and cached.bucket_cap_mb == prof.bucket_cap_mb != 1.0
+    # Not first on its node, or --no-cache: rank 0's profile all the same, nothing written.
+    os.environ["LOCAL_RANK"] = "1"
+    elsewhere = cache_of(f"second-process-{rank}")
+    again, path = share_profile(mine)
+    assert again == shared and path is None and not os.path.exists(elsewhere)
+    os.environ["LOCAL_RANK"] = "0"
+    elsewhere = cache_of(f"no-cache-{rank}")
+    again, path = share_profile(mine, cache=False)
+    assert again == shared and path is None and not os.path.exists(elsewhere)
+
+
+def test_share_profile_caches_rank_0s_profile_on_every_node(tmp_path):
+    run_workers(_share, 2, str(tmp_path), timeout=60)
+    assert os.path.exists(tmp_path / "node1") and not os.path.exists(tmp_path / "node0")
 
 
 def test_bench_allreduce_smoke(tmp_path):

@@ -90,6 +90,23 @@ def test_profile_show(env, tmp_path, capsys):
     assert Profile.from_dict(json.loads(capsys.readouterr().out)).digest() == Profile.load(good).digest()
 
 
+@pytest.mark.parametrize("field,value", [
+    pytest.param("e2e", [1], id="e2e-list"),
+    pytest.param("notes", "abc", id="notes-string"),
+])
+def test_profile_show_rejects_malformed_e2e_and_notes(env, tmp_path, capsys, field, value):
+    good = tmp_path / "p.json"
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--out", str(good), "--no-cache"]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(json.loads(good.read_text()), **{field: value})))
+    capsys.readouterr()
+    assert main(["profile", "show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and field in err
+    r = cli(env, "profile", "show", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and field in r.stderr
+
+
 def test_env(env, capsys):
     r = cli(env, "env")
     assert r.returncode == 0, r.stderr
@@ -109,6 +126,45 @@ def test_autotune_measure_gloo_world_size_2(env, tmp_path):
     # With a topology the profile is cached under its fingerprint, for 2 of the preset's GPUs.
     assert cache_path(p.topology_fingerprint, 2, 1, "float32").exists()
     assert "4/4" in r.stderr  # the progress bar reached the end
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_autotune_under_torchrun_caches_rank_0s_profile_on_every_node(env, tmp_path):
+    """Two nodes of one rank each, as torchrun would start them, each node with its own cache directory; the second
+    node is given other sizes (a different plan) and still measures, and caches, rank 0's."""
+    port = str(_free_port())
+    procs = []
+    for rank, max_bytes in ((0, "4K"), (1, "16K")):
+        e = dict(env, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port, XDG_CACHE_HOME=str(tmp_path / f"node{rank}"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ddp_triton.cli", "autotune", "--backend", "gloo", "--topology", "dgx-h100",
+             "--min-bytes", "1K", "--max-bytes", max_bytes, "--iters", "2", "--warmup", "1", "--comm-dtype",
+             "float32", "--no-progress"], env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "bucket_cap_mb" in outs[0][0] and outs[1][0] == ""  # rank 0 reports
+    profiles = []
+    for rank in (0, 1):
+        found = list((tmp_path / f"node{rank}" / "ddp-triton").glob("profile-*-w2-n2-float32.json"))
+        assert len(found) == 1, (rank, found)
+        profiles.append(Profile.load(found[0]))
+    assert profiles[0].to_dict() == profiles[1].to_dict()
+    assert sorted(r.nbytes for r in profiles[1].sweep) == [1024, 2048, 4096]  # rank 0's sizes
 
 
 def test_autotune_e2e_world_size_1(env, tmp_path):
@@ -165,6 +221,64 @@ def test_bad_usage_exits_2(argv, says, capsys, env):
         code = e.code
     assert code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Measuring (spawned or in place) fails the test: usage must be checked before it starts."""
+    from ddp_triton import measure
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("started measuring before checking usage")
+
+    monkeypatch.setattr(measure, "spawn_local", refuse)
+    monkeypatch.setattr(measure, "init_in_place", refuse)
+
+
+@pytest.mark.parametrize("argv,says", [
+    pytest.param(["--nproc", "2", "--topology", "dgx-h100", "--nccl-tuner-csv", "t.csv"], "backend gloo",
+                 id="tuner-csv-from-gloo"),
+    pytest.param(["--nproc", "1", "--e2e", "test_autotune:tiny_factory", "--nccl-tuner-csv", "t.csv"],
+                 "protocol per range", id="tuner-csv-e2e-without-topology"),
+    pytest.param(["--nproc", "1", "--comm-dtype", "int8"], "--comm-dtype int8", id="comm-dtype-int8"),
+    pytest.param(["--nproc", "2", "--comm-dtype", "float8_e4m3fn"], "bfloat16, float16, float32",
+                 id="comm-dtype-float8"),
+    pytest.param(["--nproc", "1", "--comm-dtype", "float32", "--min-bytes", "1", "--max-bytes", "2"],
+                 "less than one float32", id="sizes-below-one-element"),
+])
+def test_usage_is_checked_before_measuring(argv, says, no_measuring, capsys, env, monkeypatch):
+    from ddp_triton import topology
+
+    def no_nvml(nvml=None):
+        raise topology.TopologyError("NVML unavailable (test)")
+
+    monkeypatch.setattr(topology, "from_nvml", no_nvml)  # a GPU machine's NVML would give the model a topology
+    assert main(["autotune", "--backend", "gloo", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_comm_dtype_int8_rejected_in_model_only(capsys, env):
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--comm-dtype", "int8", "--no-cache"]) == 2
+    assert "--comm-dtype int8" in capsys.readouterr().err
+
+
+def test_cli_comm_dtypes_are_the_hooks():
+    from ddp_triton.cli import HOOK_COMM_DTYPES
+    from ddp_triton.state import COMM_DTYPES
+
+    assert list(HOOK_COMM_DTYPES) == [str(d).replace("torch.", "") for d in COMM_DTYPES]
+
+
+def test_value_error_while_measuring_exits_1(monkeypatch, capsys, env):
+    from ddp_triton import autotune, measure
+
+    def fail(config):
+        raise ValueError("went wrong while measuring")
+
+    monkeypatch.setattr(measure, "init_in_place", lambda backend: False)
+    monkeypatch.setattr(autotune, "measure_worker", fail)
+    assert main(["autotune", "--backend", "gloo", "--nproc", "1", "--max-bytes", "4K", "--no-cache"]) == 1
+    assert "autotune failed: ValueError: went wrong while measuring" in capsys.readouterr().err
 
 
 def test_measure_without_gpu_says_what_to_do(capsys, env):

@@ -5,6 +5,7 @@ Tier: no device (pure Python).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -162,6 +163,70 @@ def test_available_algorithms():
                                                                      nccl_version=(2, 16, 5))
     with pytest.raises(ValueError, match="single node"):
         cm.estimate(fabric("dgx-h100"), 1024, "nvls_tree")
+
+
+def _hopper_nvswitch(ranks_per_node: int, nodes: int = 1) -> cm.Fabric:
+    return cm.Fabric(ranks_per_node=ranks_per_node, nodes=nodes, inter_gbps=400.0 if nodes > 1 else 0.0, **H100)
+
+
+@pytest.mark.parametrize("ranks_per_node,nodes,version,nvls", [
+    # NCCL 2.18.1-2.28.3 ncclNvlsInit: "gpuCount <= 2" returns early (src/transport/nvls.cc).
+    pytest.param(2, 1, (2, 21, 5), False, id="2gpus-nccl2.21"),
+    pytest.param(2, 1, (2, 28, 3), False, id="2gpus-nccl2.28.3"),
+    pytest.param(3, 1, (2, 21, 5), True, id="3gpus-nccl2.21"),
+    pytest.param(2, 4, (2, 27, 7), False, id="2gpus-4nodes-nccl2.27"),
+    # Unknown version (the model-only profile): the stricter rule.
+    pytest.param(2, 1, None, False, id="2gpus-version-unknown"),
+    pytest.param(2, 4, None, False, id="2gpus-4nodes-version-unknown"),
+    pytest.param(3, 4, None, True, id="3gpus-4nodes-version-unknown"),
+    # 2.17 ("localRanks <= 1") and 2.28.7 on ("gpuCount < 2") run NVLS with 2 GPUs.
+    pytest.param(2, 1, (2, 17, 1), True, id="2gpus-nccl2.17"),
+    pytest.param(2, 1, (2, 28, 7), True, id="2gpus-nccl2.28.7"),
+    pytest.param(2, 4, (2, 30, 7), True, id="2gpus-4nodes-nccl2.30"),
+    # 2.20 turned NVLS off across nodes ("comm->nNodes > 1").
+    pytest.param(8, 4, (2, 20, 5), False, id="8gpus-4nodes-nccl2.20"),
+    pytest.param(8, 4, (2, 21, 5), True, id="8gpus-4nodes-nccl2.21"),
+])
+def test_nvls_needs_the_gpus_per_node_that_nccl_asks(ranks_per_node, nodes, version, nvls):
+    f = _hopper_nvswitch(ranks_per_node, nodes)
+    alg = "nvls" if nodes == 1 else "nvls_tree"
+    assert (alg in cm.available_algorithms(f, nccl_version=version)) is nvls
+    # The rate-free layout a measurement plans with says the same.
+    layout = cm.Layout(ranks_per_node=ranks_per_node, nodes=nodes, nvswitch=True, arch="hopper")
+    assert cm.available_algorithms(layout, nccl_version=version) == cm.available_algorithms(f, nccl_version=version)
+
+
+def test_nvls_reason_names_the_gpu_count_and_the_rule():
+    why = cm.algorithm_unavailable_reason(_hopper_nvswitch(2), "nvls", nccl_version=(2, 21, 5))
+    assert "at least 3 GPUs per node" in why and "NCCL 2.21.5" in why and "this has 2" in why
+    why = cm.algorithm_unavailable_reason(_hopper_nvswitch(2), "nvls")
+    assert "at least 3 GPUs per node" in why and "2.18.1 to 2.28.3" in why
+    why = cm.algorithm_unavailable_reason(_hopper_nvswitch(1, 4), "nvls_tree", nccl_version=(2, 30, 7))
+    assert "at least 2 GPUs per node" in why and "this has 1" in why
+    assert "across nodes" in cm.algorithm_unavailable_reason(_hopper_nvswitch(8, 2), "nvls_tree",
+                                                             nccl_version=(2, 20, 3))
+
+
+def test_layout_from_topology_needs_no_rates():
+    # NVML sees no NICs: a 4-node topology from it has no inter-node rate; Fabric refuses it, Layout does not.
+    topo = apply_launch_env(dataclasses.replace(load_topology("dgx-h100"), inter_node_gbps=None), nodes=4, env={})
+    with pytest.raises(ValueError, match="inter-node"):
+        cm.Fabric.from_topology(topo)
+    layout = cm.Layout.from_topology(topo)
+    assert layout == cm.Layout(ranks_per_node=8, nodes=4, nvswitch=True, arch="hopper")
+    assert cm.available_algorithms(layout) == ["ring", "tree", "nvls_tree"]
+    with pytest.raises(ValueError, match="turing"):
+        cm.Layout(ranks_per_node=2, arch="turing")
+
+
+def test_nvls_tree_base_latency_matches_nccl():
+    # NCCL adds baseLatencies[NVLSTree] (only NVLS overwrites it), and that row is 0 since NCCL 2.19 (tuning.cc):
+    # the nvls_tree latency is the NVLink hop plus the tree's network hops, nothing more.
+    f = fabric("dgx-h100", 4)
+    hops = cm.HW_LATENCY_US["nvlink"]["nvls_tree"][2] + 2 * 2 * cm.HW_LATENCY_US["net"]["nvls_tree"][2]
+    assert cm.BASE_LATENCY_US["nvls_tree"] == (0.0, 0.0, 0.0)
+    # 1e-12: the same sum in another order; only float rounding may differ.
+    assert cm._latency_us(f, "nvls_tree", 2, 0) == pytest.approx(hops, rel=1e-12)
 
 
 def test_one_rank_is_fixed_cost_and_zero_busbw():
