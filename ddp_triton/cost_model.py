@@ -189,14 +189,9 @@ class Fabric:
     """GPU generation: ``volta``, ``ampere``, ``hopper``, ``blackwell`` or ``unknown``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
-        if not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
+        Layout(self.ranks_per_node, self.nodes, self.nvswitch, self.arch)  # checks ranks, nodes and arch
         if self.intra_link not in LINK_KINDS:
             raise ValueError(f"intra_link must be one of {LINK_KINDS}, got {self.intra_link!r}")
-        if self.arch not in KNOWN_ARCHES:
-            raise ValueError(f"arch must be one of {KNOWN_ARCHES}, got {self.arch!r}")
         if self.ranks_per_node > 1 and not self.intra_gbps > 0:
             raise ValueError(f"intra_gbps must be > 0 with {self.ranks_per_node} ranks per node, "
                              f"got {self.intra_gbps!r}")
