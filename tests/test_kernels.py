@@ -2,7 +2,7 @@
 
 Tier: no device. The Triton kernel runs in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
 conftest.py), and the plain-torch CPU path is checked against the same reference and against the kernel, bit for bit.
-The GPU tier at the end runs the compiled kernel when CUDA is present.
+The compiled kernel's bits on CUDA are checked in test_gpu.py.
 """
 
 import math
@@ -273,58 +273,6 @@ def test_unpack_refuses_overlapping_destinations():
 def test_unpack_rejects_bad_stats():
     with pytest.raises(ValueError, match="stats"):
         unpack(torch.zeros(10), [torch.zeros(10)], 1.0, stats=torch.zeros(3))
-
-
-# ---- GPU tier ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("src_dtype", DTYPES, ids=DTYPE_IDS)
-def test_compiled_kernel_bits_on_cuda(src_dtype, out_dtype):
-    tensors = [random_bit_patterns(n, src_dtype, seed=n).cuda() for n in (1, 4097, 100_003)]
-    tensors.append(EDGE_FLOAT32.to(src_dtype).cuda())
-    for scale in (1.0, 1 / 8, 1 / 3, 3.0):
-        out = torch.empty(sum(t.numel() for t in tensors), dtype=out_dtype, device="cuda")
-        pack(tensors, out, scale)
-        expected = reference_pack([t.cpu() for t in tensors], out_dtype, scale)
-        assert_same_bits(out, expected)
-        back = [torch.empty_like(t) for t in tensors]
-        bind_unpack(out, back, 1 / scale)()
-        assert_same_bits(torch.cat(back), out.cpu().float().mul(1 / scale).to(src_dtype))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
-def test_compiled_contiguous_kernel_scaled_on_cuda(out_dtype):
-    """The hook's own case: one aligned bucket, scaled, full vector blocks plus a tail, every bit pattern."""
-    bucket = torch.cat([EDGE_FLOAT32, random_bit_patterns(3 * 4096 + 977 - EDGE_FLOAT32.numel(), torch.float32)])
-    bucket = bucket.cuda()
-    for scale in (1 / 8, 1 / 3, 0.5):
-        comm = torch.empty(bucket.numel(), dtype=out_dtype, device="cuda")
-        bind_pack([bucket], comm, scale)()
-        assert_same_bits(comm, reference_pack([bucket.cpu()], out_dtype, scale))
-        back = torch.empty_like(bucket)
-        stats = torch.zeros(2, device="cuda")
-        unpack(comm, [back], 2.0, stats=stats)
-        expected = comm.cpu().float().mul(2.0)
-        assert_same_bits(back, expected)
-        assert int(stats[1]) == int((~torch.isfinite(expected)).sum())
-
-
-@pytest.mark.gpu
-def test_more_than_2_to_the_31_elements_on_cuda():
-    free, _ = torch.cuda.mem_get_info()
-    n = 2**31 + 1000
-    if free < n * 6 + (1 << 30):
-        pytest.skip("not enough GPU memory")
-    src = torch.ones(n, dtype=torch.float32, device="cuda")
-    src[-1000:] = 3.0
-    out = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
-    pack([src], out, 0.5)
-    assert out[-1].item() == 1.5 and out[0].item() == 0.5 and out[2**31].item() == 0.5
-    del src, out
-    torch.cuda.empty_cache()
 
 
 def test_bound_launch_keeps_every_tensor_alive():
