@@ -52,6 +52,16 @@ def launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
     kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps)
 
 
+def _key_of(arg: Any) -> Any:
+    """What identifies an argument for reuse: a tensor's dtype with its address (the compiled kernel depends on the
+    pointer type), a float's exact bits (-0.0 is not 0.0)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr()
+    if isinstance(arg, float):
+        return arg.hex()
+    return arg
+
+
 def _as_int(arg):
     return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
 
@@ -97,7 +107,7 @@ class OneShotLaunches:
         if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0:
             launch(plan, kernel, args, constexprs)
             return
-        key = (id(kernel), plan.n_items, plan.num_warps, tuple(_as_int(a) for a in args), tuple(constexprs.items()))
+        key = (id(kernel), plan.n_items, plan.num_warps, tuple(_key_of(a) for a in args), tuple(constexprs.items()))
         entry = self._entries.get(key)
         if entry is None:
             direct = _bind_direct(plan, kernel, args, constexprs, device)
@@ -162,9 +172,9 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
             _direct_launch_ok = _self_check(device)
             if not _direct_launch_ok:
                 return None
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
             compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
-        run = compiled.run  # first: reading it loads the binary, which sets compiled.function
+            run = compiled.run  # first: reading it loads the binary, which sets compiled.function
         function, metadata, grid = compiled.function, compiled.packed_metadata, plan.n_items
         return _DirectLaunch(compiled, run, function, metadata, grid, device.index,
                              _launcher_values(kernel, args, constexprs))

@@ -290,3 +290,13 @@ def test_bound_launch_keeps_every_tensor_alive():
     assert all(w() is not None for w in watch), "a tensor named in the work table was freed"
     replay()
     assert_same_bits(kept, flat[100:].mul(2.0))
+
+
+def test_reused_launches_are_keyed_by_dtype_and_exact_scale():
+    """A cached launch was compiled for one pointer type: the same address with another dtype must not match."""
+    from ddp_triton.kernels.launch import _key_of
+
+    fp32 = torch.zeros(8)
+    fp16 = fp32.view(torch.float16)  # the very same address
+    assert fp32.data_ptr() == fp16.data_ptr() and _key_of(fp32) != _key_of(fp16)
+    assert _key_of(0.0) != _key_of(-0.0) and _key_of(0.5) == _key_of(0.5)
