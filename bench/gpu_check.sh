@@ -17,7 +17,8 @@ echo "== GPU tests"
 python3 -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
 echo "== autotune, measure mode, world size 1"
-timeout 300 ddp-triton autotune --min-bytes 1K --max-bytes 64M --iters 5 --no-progress --out "$out/profile.json" \
+# its own cache folder, so that bench.ddp_step below (profile="auto") is not steered by this profile
+XDG_CACHE_HOME="$out/cache" timeout 300 ddp-triton autotune --min-bytes 1K --max-bytes 64M --iters 5 --no-progress --out "$out/profile.json" \
   2>&1 | tee "$out/autotune.log" | tail -15
 
 echo "== bench.kernels"

@@ -145,7 +145,7 @@ def make_algorithm_groups(algorithms: Iterable[str],
     algs = _canonical(algorithms)
     pg = process_group if process_group is not None else dist.group.WORLD
     backend = str(dist.get_backend(pg)).lower()
-    if backend != "nccl":
+    if "nccl" not in backend:  # "nccl", or mixed ones such as "cpu:gloo,cuda:nccl"
         warn_once(f"backend {backend!r} has one all-reduce algorithm: the profile's choice of "
                   f"{', '.join(algs)} by size is recorded, but every bucket uses the same process group")
         return {a: pg for a in algs}
@@ -173,7 +173,7 @@ def select_group(groups: Mapping[str, ProcessGroup], profile: Any, nbytes: int) 
 
 
 def _digest_device(pg: ProcessGroup) -> torch.device:
-    if str(dist.get_backend(pg)).lower() == "nccl":
+    if "nccl" in str(dist.get_backend(pg)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

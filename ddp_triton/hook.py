@@ -29,10 +29,9 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     if not isinstance(state, CommState):
         state = default_state(state)
     buffer = bucket.buffer()
-    index = bucket.index()
-    comm = state.bucket_comm(index, buffer)
+    comm = state.bucket_comm(buffer)
     if bucket.is_last():
-        state.forget_buckets_after(index)
+        state.end_of_backward()
     comm.pack()
     work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
 

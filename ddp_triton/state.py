@@ -13,13 +13,13 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
-from .log import logger, warn_once
+from .log import logger
 
 COMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,6 +41,18 @@ def split_average(world_size: int, comm_dtype: torch.dtype) -> Tuple[float, floa
     return 1.0 / world_size, 1.0
 
 
+def collective_averages(backend: str, on_cuda: bool, comm_dtype: torch.dtype, bucket_dtype: torch.dtype,
+                        algorithm: Optional[str]) -> bool:
+    """Whether a bucket can be averaged by the collective itself (NCCL's AVG), with no kernel on either side.
+
+    Only when it travels in its own dtype through NCCL on CUDA, not in float16 (whose division is split around
+    the sum), and not over NVLS: NCCL implements a float AVG as a pre-multiplied sum, which NVLS does not run.
+    """
+    nvls = algorithm is not None and algorithm.startswith("nvls")
+    return (backend == "nccl" and on_cuda and comm_dtype == bucket_dtype and comm_dtype != torch.float16
+            and not nvls)
+
+
 @dataclass
 class BucketComm:
     """One bucket's buffers and launches, valid while DDP's bucket buffer stays the same memory."""
@@ -53,6 +65,13 @@ class BucketComm:
     group: Any
     op: Any
     algorithm: Optional[str]
+    last_used: int = 0
+    """The state's backward-pass count when this entry was last used (stale entries are dropped)."""
+
+
+# Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
+# buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
+_STALE_AFTER = 4
 
 
 @dataclass
@@ -72,7 +91,8 @@ class CommState:
     device: Optional[torch.device] = None
     """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
     current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works."""
-    buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
+    buckets: Dict[tuple, BucketComm] = field(default_factory=dict, init=False, repr=False)
+    """Per DDP bucket buffer (address, size, dtype): its communication buffer and bound launches."""
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,9 +105,11 @@ class CommState:
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group)).lower()
+        backend = str(dist.get_backend(group)).lower()
+        # "nccl", or a mixed "cpu:gloo,cuda:nccl"; CUDA buckets then go through NCCL.
+        self.backend = "nccl" if "nccl" in backend else backend
         self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
-        self._rebuilt: Set[int] = set()
+        self._passes = 0
         self.profile = self._setup_profile(self.profile)
 
     def _setup_profile(self, spec: ProfileSpec) -> Any:
@@ -107,32 +129,24 @@ class CommState:
                 self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
         return profile
 
-    def bucket_comm(self, index: int, buffer: torch.Tensor) -> BucketComm:
-        """This bucket's buffers and launches, made on first use and again only if DDP reallocates the bucket."""
+    def bucket_comm(self, buffer: torch.Tensor) -> BucketComm:
+        """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives."""
         if buffer.layout != torch.strided:
             raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
         signature = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
-        entry = self.buckets.get(index)
-        if entry is not None and entry.signature == signature:
-            return entry
-        if entry is not None:
-            if index in self._rebuilt:
-                # DDP rebuilds its buckets once; a bucket that changes again is transient (join()'s zero buckets
-                # for ranks that ran out of data) or this state is shared by several models. Serve it without
-                # replacing the cached entry.
-                warn_once("triton_hook: a bucket's buffer changed again after DDP's rebuild (join()'s shadow "
-                          "buckets, or one CommState shared by several models); such buckets get one-off buffers")
-                return self._bind(signature, buffer)
-            self._rebuilt.add(index)
-        entry = self._bind(signature, buffer)
-        self.buckets[index] = entry
+        entry = self.buckets.get(signature)
+        if entry is None:
+            entry = self.buckets[signature] = self._bind(signature, buffer)
+        entry.last_used = self._passes
         return entry
 
-    def forget_buckets_after(self, last_index: int) -> None:
-        """Drop entries of buckets past the last one (DDP's rebuild can make fewer buckets): frees their buffers."""
-        if len(self.buckets) > last_index + 1:
-            for index in [i for i in self.buckets if i > last_index]:
-                del self.buckets[index]
+    def end_of_backward(self) -> None:
+        """Called at each backward's last bucket: count the pass and, now and then, drop entries gone stale."""
+        self._passes += 1
+        if self._passes % _STALE_AFTER == 0:
+            oldest = self._passes - _STALE_AFTER
+            for signature in [k for k, e in self.buckets.items() if e.last_used < oldest]:
+                del self.buckets[signature]
 
     def _bind(self, signature, buffer: torch.Tensor) -> BucketComm:
         if buffer.dtype not in kernels.SUPPORTED_DTYPES:
@@ -141,10 +155,7 @@ class CommState:
             )
         group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
         in_place = self.comm_dtype == buffer.dtype
-        # NCCL implements a float AVG as a pre-multiplied sum, which its NVLS algorithms do not run: a group forced
-        # to NVLS must get a plain SUM of pre-scaled values.
-        nvls = algorithm is not None and algorithm.startswith("nvls")
-        if in_place and self.backend == "nccl" and self.comm_dtype != torch.float16 and not nvls:
+        if collective_averages(self.backend, buffer.is_cuda, self.comm_dtype, buffer.dtype, algorithm):
             # The collective's own averaging: no kernel at all on either side.
             return BucketComm(signature, buffer, buffer, _nothing, _nothing, group, dist.ReduceOp.AVG, algorithm)
         comm = buffer if in_place else torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)

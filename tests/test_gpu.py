@@ -60,6 +60,23 @@ def test_triton_hook_over_nccl(nccl_world_of_one, gabv):
         # world size 1: the hook's result is the gradient rounded once to bfloat16
         assert_same_bits(p.grad, q.grad.to(torch.bfloat16).float())
     assert len(state.buckets) >= 2
+    assert all(e.pack._direct is not None and e.unpack._direct is not None for e in state.buckets.values())
+
+
+def test_triton_hook_scaled_kernels_over_nccl(nccl_world_of_one):
+    """At world size 1 the division is 1: force factors so the hook runs the scaled kernels it runs at N > 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    reference = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    state = ddp_triton.register(ddp, comm_dtype=torch.float16, profile=None)
+    state.pre_scale, state.post_scale = 0.25, 4.0  # as the float16 split would be at world size 16
+    x = torch.randn(32, 64, device="cuda")
+    ddp(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_same_bits(p.grad, q.grad.mul(0.25).to(torch.float16).float().mul(4.0))
 
 
 def test_plain_pack_reuses_its_direct_launch():
@@ -67,6 +84,7 @@ def test_plain_pack_reuses_its_direct_launch():
     out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
     pack(grads, out, 0.5)
     entries = len(launch.ONE_SHOT._entries)
+    assert entries >= 1, "plain pack() did not take the direct launch"
     for g in grads:
         g.mul_(3)
     pack(grads, out, 0.5)  # same memory and layout: the cached direct launch, no new entry

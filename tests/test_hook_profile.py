@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.profile import Profile, ProfileError, TableEntry
+from ddp_triton.state import collective_averages
 from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
 
 SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
@@ -79,19 +80,19 @@ def test_profile_files_good_corrupt_and_mismatched(tmp_path):
     torch_path_workers(_files_worker, 2, str(tmp_path))
 
 
-def _nvls_sum_worker(rank, world_size):
-    profile = Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype="float32",
-                      bucket_cap_mb=1.0, table=[TableEntry(0, SPLIT_BYTES, "ring"), TableEntry(SPLIT_BYTES + 1, None,
-                                                                                               "nvls")])
-    state = ddp_triton.CommState(comm_dtype=torch.float32, profile=profile)
-    state.backend = "nccl"  # the choice of reduction reads only the backend's name: decide as on NCCL
-    small = state.bucket_comm(0, torch.zeros(100))  # 400 bytes: ring
-    large = state.bucket_comm(1, torch.zeros(10_000))  # 40 KB: NVLS
-    assert (small.algorithm, small.op) == ("ring", dist.ReduceOp.AVG)  # NCCL averages, no kernel
-    # NCCL's float AVG is a pre-multiplied sum, which NVLS does not run: pre-scale in place and SUM instead
-    assert (large.algorithm, large.op) == ("nvls", dist.ReduceOp.SUM)
-    assert large.comm is large.buffer
-
-
-def test_buckets_sent_over_nvls_are_summed_not_averaged():
-    torch_path_workers(_nvls_sum_worker, 1)
+@pytest.mark.parametrize(
+    "backend, on_cuda, comm, bucket, algorithm, averages",
+    [
+        pytest.param("nccl", True, torch.float32, torch.float32, None, True, id="nccl-fp32-in-place"),
+        pytest.param("nccl", True, torch.bfloat16, torch.bfloat16, "ring", True, id="nccl-bf16-ring"),
+        # NCCL's float AVG is a pre-multiplied sum, which NVLS does not run: pre-scale and SUM instead
+        pytest.param("nccl", True, torch.float32, torch.float32, "nvls", False, id="nvls"),
+        pytest.param("nccl", True, torch.float32, torch.float32, "nvls_tree", False, id="nvls-tree"),
+        pytest.param("nccl", True, torch.float16, torch.float16, None, False, id="fp16-split-division"),
+        pytest.param("nccl", True, torch.bfloat16, torch.float32, None, False, id="cast-needs-the-kernel"),
+        pytest.param("nccl", False, torch.float32, torch.float32, None, False, id="cpu-tensors"),
+        pytest.param("gloo", False, torch.float32, torch.float32, None, False, id="gloo"),
+    ],
+)
+def test_when_the_collective_averages(backend, on_cuda, comm, bucket, algorithm, averages):
+    assert collective_averages(backend, on_cuda, comm, bucket, algorithm) is averages
