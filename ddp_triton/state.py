@@ -10,6 +10,7 @@ which is sent in place.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -119,15 +120,32 @@ class CommState:
         from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
 
         profile = resolve_profile(spec, self)
+        unusable = self._unusable_here(profile)
         use_device = torch.cuda.device(self.device) if self.device is not None and self.device.type == "cuda" \
             else contextlib.nullcontext()
         with use_device:  # NCCL's collectives here run on the current device: make it the model's
             # Always compare, also when this rank found none: a rank with a profile would otherwise wait forever in
             # group creation while one without it trains on. Over the whole world, because group creation is too.
-            check_profile_agreement(profile, dist.group.WORLD)
+            # A rank that cannot run the profile (its NCCL lacks an algorithm) shows a digest of its own, so every
+            # rank fails here together instead of the others waiting in group creation.
+            check_profile_agreement(profile if unusable is None else unusable, dist.group.WORLD)
+            if unusable is not None:
+                raise unusable.error
             if profile is not None:
                 self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
         return profile
+
+    def _unusable_here(self, profile: Any) -> Optional["_UnusableProfile"]:
+        """None when this rank's NCCL can run every algorithm of ``profile``; else why not."""
+        if profile is None or self.backend != "nccl":
+            return None
+        from .algo_groups import check_nccl_support, nccl_version
+
+        try:
+            check_nccl_support(profile.algorithms(), nccl_version())
+        except RuntimeError as exc:
+            return _UnusableProfile(exc)
+        return None
 
     def bucket_comm(self, buffer: torch.Tensor) -> BucketComm:
         """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives."""
@@ -178,6 +196,16 @@ class CommState:
 
 def _nothing() -> None:
     return None
+
+
+class _UnusableProfile:
+    """Stands for a profile this rank cannot run, in the ranks' comparison of profiles."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def digest(self) -> str:
+        return ("unusable-" + hashlib.sha256(str(self.error).encode()).hexdigest())[:64]
 
 
 _default_states: Dict[int, CommState] = {}
