@@ -1,4 +1,4 @@
-"""pack and unpack: the typed launchers around the work-list kernel.
+"""pack and unpack: the typed launchers around the conversion kernels.
 
 ``pack`` flattens a list of tensors into one buffer, scaling and casting on the way (the step before an
 all-reduce); ``unpack`` is the way back. Both take one pass over the data whatever the number of tensors: one launch
@@ -41,6 +41,14 @@ def _check_stats(stats: Optional[torch.Tensor], device: torch.device) -> None:
         raise ValueError("stats must be contiguous")
 
 
+def _launcher(plan, args: tuple, tensors, bind: bool) -> Callable[[], None]:
+    """A bound launch (kept tensors, direct launcher) for ``bind_*``; for a plain call, the shared one-shot cache
+    (which holds no tensors)."""
+    if bind:
+        return BoundLaunch(plan, *args, keepalive=tensors)
+    return lambda: ONE_SHOT(plan, *args)
+
+
 def _prepare_pack(tensors, out, scale, bind: bool) -> Callable[[], None]:
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
@@ -53,9 +61,7 @@ def _prepare_pack(tensors, out, scale, bind: bool) -> Callable[[], None]:
     plan = PLANS.get(tensors, out, many_is_source=True)
     dst = out.view(_BITS_DTYPE[out.dtype])
     args = kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None)
-    if not bind:
-        return lambda: ONE_SHOT(plan, *args)
-    return BoundLaunch(plan, *args, keepalive=tensors)
+    return _launcher(plan, args, tensors, bind)
 
 
 def _prepare_unpack(flat, tensors, scale, stats, bind: bool) -> Callable[[], None]:
@@ -72,14 +78,11 @@ def _prepare_unpack(flat, tensors, scale, stats, bind: bool) -> Callable[[], Non
     base = tensors[plan.many_base]
     dst = base.view(_BITS_DTYPE[base.dtype])
     if stats is None:
-        args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
-        if not bind:
-            return lambda: ONE_SHOT(plan, *args)
-        return BoundLaunch(plan, *args, keepalive=tensors)
+        return _launcher(plan, kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None), tensors, bind)
 
     partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
     args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials)
-    kernel_launch = BoundLaunch(plan, *args, keepalive=tensors)
+    kernel_launch = _launcher(plan, args, tensors, bind)
 
     def run_with_stats() -> None:
         kernel_launch()
