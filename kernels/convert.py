@@ -13,8 +13,8 @@ NaN of the destination dtype (torch itself is not consistent here: its scalar CP
 path give three different NaN bit patterns).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: Triton 3.0's interpreter recognises constexpr parameters only by an
+# annotation that evaluates to ``tl.constexpr``, not by its text.
 from . import _triton
 
 triton, tl = _triton.triton, _triton.tl
