@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bits import assert_same_bits, bits, reference_pack
+from interpreter import interpreter_problem
 from ddp_triton.kernels import bind_pack, bind_unpack, pack, torch_path, unpack, uses_triton
 from ddp_triton.kernels.worklist import build_plan, segments
 
@@ -27,7 +28,8 @@ SHAPES = [
     pytest.param([(3,), (40000,), (2, 5)], id="one-much-larger"),
 ]
 
-pytestmark = pytest.mark.skipif(not uses_triton(torch.device("cpu")), reason="needs Triton's interpreter")
+pytestmark = pytest.mark.skipif(not uses_triton(torch.device("cpu")) or interpreter_problem() is not None,
+                                reason=interpreter_problem() or "needs Triton's interpreter")
 
 
 def make(shapes, dtype, seed=0):
