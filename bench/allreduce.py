@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ddp_triton import cost_model as cm  # noqa: E402
-from ddp_triton.measure import format_rows, init_in_place, run_sweep, spawn_local  # noqa: E402
+from ddp_triton.measure import format_rows, init_in_place, leave_process_group, run_sweep, spawn_local  # noqa: E402
 from ddp_triton.profile import now_iso  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         created = init_in_place(backend)
         rows = _bench_worker(config)
         if created:
-            dist.destroy_process_group()
+            leave_process_group()
         if torchrun and int(os.environ["RANK"]) != 0:
             return 0
     else:

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import append_results, environment, format_table, save_json  # noqa: E402
+from ddp_triton.measure import leave_process_group  # noqa: E402
 
 
 def make_model(width: int, blocks: int) -> nn.Module:
@@ -163,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_results and device.type == "cuda":
             append_results(f"bench/ddp_step.py (world size {world}, {params / 1e6:.1f}M parameters, batch "
                            f"{args.batch})", env, [table], sorted(set(notes)))
-    dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 

@@ -276,7 +276,7 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
     import torch.distributed as dist
 
     from .autotune import e2e_worker, fallback_profile, measure_worker, model_profile, share_profile
-    from .measure import init_in_place, spawn_local
+    from .measure import init_in_place, leave_process_group, spawn_local
     from .profile import Profile
 
     backend = args.backend
@@ -354,9 +354,12 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
                 result = worker(config)
                 if torchrun:  # rank 0's profile, cached on every node for the hook's profile="auto"
                     result, _ = share_profile(result, cache=not args.no_cache)
-            finally:
+            except BaseException:
                 if created:
-                    dist.destroy_process_group()
+                    dist.destroy_process_group()  # no barrier: the other ranks may never reach one
+                raise
+            if created:
+                leave_process_group()
             if torchrun and int(os.environ["RANK"]) != 0:
                 return EXIT_OK  # rank 0 reports
         else:

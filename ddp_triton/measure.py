@@ -66,8 +66,10 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, result_pa
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may never reach one
+        raise
+    leave_process_group()
 
 
 def spawn_local(fn_path: str, nprocs: int, backend: str, args: Sequence[Any] = (),
@@ -111,6 +113,28 @@ def init_in_place(backend: str) -> bool:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+#: Seconds a gloo group is left alone, the GIL released, before it is destroyed (see ``leave_process_group``).
+GLOO_SETTLE_S = 0.1
+
+
+def leave_process_group() -> None:
+    """Destroy the default group once every rank has finished with it (call it on success only).
+
+    On gloo this is not just ``destroy_process_group``. In torch 2.4, destroying a gloo group while one of its
+    worker threads is still dropping a finished collective deadlocks: the destructor holds the GIL and joins the
+    thread, and the thread needs the GIL to free the collective's tensors (those of ``broadcast_object_list``, say,
+    which Python has already let go of). A barrier alone does not help, since the barrier's own work holds the
+    earlier ones. So every rank waits at a barrier, then sleeps briefly with the GIL released, which lets the
+    worker threads finish; then the group goes.
+    """
+    backend = str(dist.get_backend()).lower()
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    if "gloo" in backend:
+        time.sleep(GLOO_SETTLE_S)
+    dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------------------------
