@@ -174,6 +174,8 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
                 return None
         with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
             compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
+            if hasattr(compiled, "result"):  # Triton 3.6 hands back a future under asynchronous compilation
+                compiled = compiled.result()
             run = compiled.run  # first: reading it loads the binary, which sets compiled.function
         function, metadata, grid = compiled.function, compiled.packed_metadata, plan.n_items
         return _DirectLaunch(compiled, run, function, metadata, grid, device.index,
