@@ -169,7 +169,8 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
     try:
         if _direct_launch_ok is None:
             _direct_launch_ok = True  # provisionally, so that the self-check's own binds take this path
-            _direct_launch_ok = _self_check(device)
+            with torch.cuda.device(device):  # Triton's launcher, which the check compares with, uses this device
+                _direct_launch_ok = _self_check(device)
             if not _direct_launch_ok:
                 return None
         with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
