@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import torch
@@ -95,17 +96,31 @@ def _force_init(group: ProcessGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def group_timeout(group: ProcessGroup) -> Optional[timedelta]:
+    """The collective timeout ``group`` was created with, or None where this torch does not say."""
+    device = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
+    try:
+        return group._get_backend(torch.device(device)).options._timeout
+    except (AttributeError, RuntimeError):  # private API: absent or shaped otherwise in some torch version
+        return None
+
+
 def _create_groups(algorithms: Sequence[str], rank_sets: Sequence[List[int]], backend: str,
-                   warmup: Callable[[ProcessGroup], None]) -> Dict[str, ProcessGroup]:
+                   warmup: Callable[[ProcessGroup], None], parent: ProcessGroup) -> Dict[str, ProcessGroup]:
     """For each algorithm, a new group over each of ``rank_sets`` (every rank creates every group, in the same
-    order, as new_group requires) with NCCL_ALGO set while it is created and first used; returns this rank's."""
+    order, as new_group requires) with NCCL_ALGO set while it is created and first used; returns this rank's.
+
+    The groups take ``parent``'s timeout: new_group's default is the backend's (10 minutes for NCCL), not the one
+    the user gave init_process_group, and a job that needs longer would time out in our groups alone.
+    """
     me = dist.get_rank()
+    timeout = group_timeout(parent)
     groups: Dict[str, ProcessGroup] = {}
     for a in algorithms:
         name = NCCL_ALGO_NAMES[a]
         with scoped_env({"NCCL_ALGO": name}):
             for ranks in rank_sets:
-                group = dist.new_group(ranks=list(ranks), backend=backend)
+                group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
                 if me not in ranks:
                     continue
                 try:
@@ -152,7 +167,7 @@ def make_algorithm_groups(algorithms: Iterable[str],
     check_nccl_support(algs, nccl_version())
     rank_sets = replica_rank_sets(pg)
     device = torch.device("cuda", torch.cuda.current_device())
-    groups = _create_groups(algs, rank_sets, "nccl", lambda g: _force_init(g, device))
+    groups = _create_groups(algs, rank_sets, "nccl", lambda g: _force_init(g, device), parent=pg)
     info_rank0(f"created NCCL groups for all-reduce algorithms {', '.join(algs)} over {len(rank_sets)} replica "
                f"group(s) of {len(rank_sets[0])} ranks")
     return groups

@@ -9,6 +9,7 @@ all-reduces, profile agreement and disagreement). NCCL itself needs GPUs: the NC
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -97,10 +98,13 @@ def _groups_and_dispatch(rank: int, world: int) -> None:
         dist.all_reduce(t, group=g)
         assert t.item() == world
 
-    made = ag._create_groups(["ring", "tree"], [list(range(world))], "gloo", warmup)
+    parent = dist.new_group(list(range(world)), timeout=timedelta(seconds=1234))  # not the backend's default
+    made = ag._create_groups(["ring", "tree"], [list(range(world))], "gloo", warmup, parent=parent)
     assert seen == ["Ring", "Tree"]
     assert os.environ["NCCL_ALGO"] == SENTINEL
     assert made["ring"] is not made["tree"] and made["ring"] is not dist.group.WORLD
+    # They keep their parent's timeout, not new_group's default (gloo's is 30 minutes).
+    assert ag.group_timeout(made["ring"]) == ag.group_timeout(made["tree"]) == timedelta(seconds=1234)
 
     # 3. Dispatch by size to those groups, with real all-reduces of that size (fp32, sum of rank + 1: exact).
     p = profile(TWO_ALGS)
@@ -140,7 +144,7 @@ def _replica_groups(rank: int, world: int) -> None:
         dist.all_reduce(t, group=g)
         assert t.item() == sum(r for r in range(world) if r // 2 == rank // 2)  # summed within the replica only
 
-    made = ag._create_groups(["ring", "tree"], rank_sets, "gloo", warmup)
+    made = ag._create_groups(["ring", "tree"], rank_sets, "gloo", warmup, parent=mine)
     assert sorted(made) == ["ring", "tree"] and seen == ["Ring", "Tree"]
     assert dist.get_process_group_ranks(made["ring"]) == [2 * (rank // 2), 2 * (rank // 2) + 1]
     assert ag.replica_rank_sets(dist.group.WORLD) == [list(range(world))]
