@@ -24,6 +24,7 @@ import sys
 from typing import Any, List, NoReturn, Optional, Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE
 
 #: dtypes the hook can all-reduce in (``ddp_triton.state.COMM_DTYPES``, spelled as profiles spell them; not
 #: imported from there, which would load Triton for every command). ``--dtypes`` may time others.
@@ -492,10 +493,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return code
     except UsageError as e:
         print(f"ddp-triton: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (`ddp-triton env | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

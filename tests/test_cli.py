@@ -115,6 +115,19 @@ def test_env(env, capsys):
     assert json.loads(capsys.readouterr().out)["torch"] == torch.__version__
 
 
+def test_output_into_a_closed_pipe_ends_quietly(env):
+    # `ddp-triton env | head -1`, with the reader already gone: no traceback, the exit status a shell expects.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "ddp_triton.cli", "env"], env=env, cwd=REPO, stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141, r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
 def test_autotune_measure_gloo_world_size_2(env, tmp_path):
     out = tmp_path / "m.json"
     r = cli(env, "autotune", "--backend", "gloo", "--nproc", "2", "--topology", "dgx-h100", "--min-bytes", "1K",
