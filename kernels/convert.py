@@ -7,8 +7,9 @@ Each program converts one block: it reads ``length <= BLOCK`` elements at ``src_
 from (pack) or scatter to (unpack) any number of tensors of one dtype, wherever they live, without a grid of
 (blocks x tensors) programs that mostly idle.
 
-Rounding is written with integer arithmetic, because Triton's interpreter truncates float32 -> bfloat16 while the
-GPU rounds; written out, GPU, interpreter and the torch path agree to the bit. Every NaN becomes the canonical quiet
+On the GPU, narrowing is the hardware's round-to-nearest-even (``cvt.rn``). Triton's interpreter truncates float32 ->
+bfloat16 instead, so there (``HW_CONVERT`` off) bfloat16 rounding is written with integer arithmetic: GPU,
+interpreter and the torch path agree to the bit. Every NaN becomes the canonical quiet
 NaN of the destination dtype (torch itself is not consistent here: its scalar CPU path, vectorised CPU path and CUDA
 path give three different NaN bit patterns).
 """
@@ -27,18 +28,15 @@ OUT_FP32 = 2
 # Canonical quiet NaNs written for any NaN: the payload-free, positive quiet NaN of each format.
 NAN_BITS = {OUT_BF16: 0x7FC0, OUT_FP16: 0x7E00, OUT_FP32: 0x7FC00000}
 
-# Blocks whose offsets are multiples of ALIGN elements get 16-byte vector accesses (16 elements covers both 4-byte
-# and 2-byte dtypes); the others take the scalar path.
+# Full blocks whose offsets are multiples of ALIGN elements get 16-byte vector accesses (16 elements covers both
+# 4-byte and 2-byte dtypes); partial and misaligned blocks take the masked path, with scalar accesses.
 ALIGN = tl.constexpr(16) if _triton.AVAILABLE else 16
-
-# Columns of the work table, one int64 row per block.
-TABLE_COLUMNS = 3  # src_offset, dst_offset, length
 
 if _triton.AVAILABLE:
 
     @triton.jit
     def _fp32_to_bf16_bits(x):
-        """Round float32 to bfloat16 (nearest, ties to even) and return the 16 bits as int16."""
+        """Round float32 to bfloat16 (nearest, ties to even) with integer arithmetic; the 16 bits as int16."""
         bits = x.to(tl.uint32, bitcast=True)
         lsb = (bits >> 16) & 1
         rounded = (bits + 0x7FFF + lsb) >> 16  # a carry out of the mantissa correctly bumps the exponent
@@ -62,13 +60,23 @@ if _triton.AVAILABLE:
         return raw.to(tl.float32)
 
     @triton.jit
-    def _convert(x, scale, APPLY_SCALE: tl.constexpr, OUT_KIND: tl.constexpr):
-        """float32 values -> (destination bit pattern, float32 value of what is stored)."""
+    def _convert(x, scale, APPLY_SCALE: tl.constexpr, OUT_KIND: tl.constexpr, HW_CONVERT: tl.constexpr):
+        """float32 values -> (destination bit pattern, float32 value of what is stored).
+
+        With HW_CONVERT (compiled for a GPU) the narrowing is the hardware's ``cvt.rn`` and NaNs are canonicalised by
+        a select; without it (the interpreter, which truncates) bfloat16 is rounded with integer arithmetic. Both
+        give the same bits.
+        """
         if APPLY_SCALE:
             x = x * scale
         if OUT_KIND == 0:
-            bits = _fp32_to_bf16_bits(x)
-            stored = _bf16_bits_to_fp32(bits)
+            if HW_CONVERT:
+                narrow = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+                bits = tl.where(x != x, 0x7FC0, narrow.to(tl.int16, bitcast=True).to(tl.int32)).to(tl.int16)
+                stored = narrow.to(tl.float32)
+            else:
+                bits = _fp32_to_bf16_bits(x)
+                stored = _bf16_bits_to_fp32(bits)
         elif OUT_KIND == 1:
             half = x.to(tl.float16)  # cvt.rn on the GPU, numpy's round-to-nearest-even in the interpreter
             bits = tl.where(x != x, 0x7E00, half.to(tl.int16, bitcast=True).to(tl.int32)).to(tl.int16)
@@ -79,23 +87,31 @@ if _triton.AVAILABLE:
         return bits, stored
 
     @triton.jit
-    def _convert_block(src, dst, length, item, scale, stats, BLOCK: tl.constexpr, APPLY_SCALE: tl.constexpr,
-                       SRC_BF16: tl.constexpr, OUT_KIND: tl.constexpr, STATS: tl.constexpr):
-        """Convert ``length <= BLOCK`` elements from ``src`` (pointer block) to ``dst``; optional stats at ``item``."""
-        if length == BLOCK:  # full blocks go unmasked so that loads and stores vectorise
-            bits, stored = _convert(_load_fp32(src, None, SRC_BF16, False), scale, APPLY_SCALE, OUT_KIND)
-            tl.store(dst, bits)
-        else:
-            mask = tl.arange(0, BLOCK) < length
-            x = _load_fp32(src, mask, SRC_BF16, True)
-            bits, stored = _convert(x, scale, APPLY_SCALE, OUT_KIND)
-            tl.store(dst, bits, mask=mask)
-            stored = tl.where(mask, stored, 0.0)
+    def _write_stats(stats, item, stored):
+        """One partial per block (sum of squares, non-finite count), summed later in a fixed order: no atomics."""
+        nonfinite = (stored != stored) | (tl.abs(stored) == float("inf"))
+        tl.store(stats + item * 2, tl.sum(stored * stored, axis=0))
+        tl.store(stats + item * 2 + 1, tl.sum(nonfinite.to(tl.float32), axis=0))
+
+    @triton.jit
+    def _convert_full_block(src, dst, item, scale, stats, APPLY_SCALE: tl.constexpr, SRC_BF16: tl.constexpr,
+                            OUT_KIND: tl.constexpr, STATS: tl.constexpr, HW_CONVERT: tl.constexpr):
+        """A whole block, unmasked: the caller proves the pointers' alignment, so the accesses vectorise."""
+        bits, stored = _convert(_load_fp32(src, None, SRC_BF16, False), scale, APPLY_SCALE, OUT_KIND, HW_CONVERT)
+        tl.store(dst, bits)
         if STATS:
-            # One partial per block, summed later in a fixed order: deterministic, no atomics.
-            nonfinite = (stored != stored) | (tl.abs(stored) == float("inf"))
-            tl.store(stats + item * 2, tl.sum(stored * stored, axis=0))
-            tl.store(stats + item * 2 + 1, tl.sum(nonfinite.to(tl.float32), axis=0))
+            _write_stats(stats, item, stored)
+
+    @triton.jit
+    def _convert_masked_block(src, dst, length, item, scale, stats, BLOCK: tl.constexpr, APPLY_SCALE: tl.constexpr,
+                              SRC_BF16: tl.constexpr, OUT_KIND: tl.constexpr, STATS: tl.constexpr,
+                              HW_CONVERT: tl.constexpr):
+        """The first ``length <= BLOCK`` elements, masked, at any alignment: partial and misaligned blocks alike."""
+        mask = tl.arange(0, BLOCK) < length  # length is int32: lane compares stay 32-bit
+        bits, stored = _convert(_load_fp32(src, mask, SRC_BF16, True), scale, APPLY_SCALE, OUT_KIND, HW_CONVERT)
+        tl.store(dst, bits, mask=mask)
+        if STATS:
+            _write_stats(stats, item, tl.where(mask, stored, 0.0))
 
     @triton.jit
     def _worklist_convert_kernel(
@@ -109,22 +125,25 @@ if _triton.AVAILABLE:
         SRC_BF16: tl.constexpr,
         OUT_KIND: tl.constexpr,
         STATS: tl.constexpr,
+        HW_CONVERT: tl.constexpr,
     ):
         """Any layout: program i converts the block that row i of the work table names."""
         item = tl.program_id(0).to(tl.int64)
         src_offset = tl.load(table + item * 3)
         dst_offset = tl.load(table + item * 3 + 1)
-        length = tl.load(table + item * 3 + 2)
+        length = tl.load(table + item * 3 + 2).to(tl.int32)  # <= BLOCK
         lanes = tl.arange(0, BLOCK)
         # Alignment is decided per block, so one oddly sized tensor does not cost the others their vector accesses.
         if (length == BLOCK) & (src_offset % ALIGN == 0) & (dst_offset % ALIGN == 0):
-            src_offset = tl.multiple_of(src_offset, ALIGN)
-            dst_offset = tl.multiple_of(dst_offset, ALIGN)
-            _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, BLOCK, item, scale, stats,
-                           BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+            # Offsets re-derived as multiples of ALIGN, which the compiler can prove: a multiple_of hint on the loaded
+            # values would tag the table load itself and vectorise the misaligned path below too.
+            src_aligned = (src_offset // ALIGN) * ALIGN
+            dst_aligned = (dst_offset // ALIGN) * ALIGN
+            _convert_full_block(src_base + src_aligned + lanes, dst_base + dst_aligned + lanes, item, scale, stats,
+                                APPLY_SCALE, SRC_BF16, OUT_KIND, STATS, HW_CONVERT)
         else:
-            _convert_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, length, item, scale, stats,
-                           BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+            _convert_masked_block(src_base + src_offset + lanes, dst_base + dst_offset + lanes, length, item, scale,
+                                  stats, BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS, HW_CONVERT)
 
     @triton.jit
     def _contiguous_convert_kernel(
@@ -138,14 +157,19 @@ if _triton.AVAILABLE:
         SRC_BF16: tl.constexpr,
         OUT_KIND: tl.constexpr,
         STATS: tl.constexpr,
+        HW_CONVERT: tl.constexpr,
     ):
         """One contiguous run (a DDP bucket): block offsets come from the program id, no table to read first."""
         item = tl.program_id(0).to(tl.int64)
-        start = item * BLOCK
-        length = tl.minimum(n_elements - start, BLOCK)
+        start = item * BLOCK  # a multiple of BLOCK, as the compiler sees: full blocks keep the base's alignment
         lanes = tl.arange(0, BLOCK)
-        _convert_block(src + start + lanes, dst + start + lanes, length, item, scale, stats,
-                       BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS)
+        if start + BLOCK <= n_elements:
+            _convert_full_block(src + start + lanes, dst + start + lanes, item, scale, stats,
+                                APPLY_SCALE, SRC_BF16, OUT_KIND, STATS, HW_CONVERT)
+        else:
+            length = (n_elements - start).to(tl.int32)
+            _convert_masked_block(src + start + lanes, dst + start + lanes, length, item, scale, stats,
+                                  BLOCK, APPLY_SCALE, SRC_BF16, OUT_KIND, STATS, HW_CONVERT)
 
 else:  # pragma: no cover - exercised only where Triton is missing
     _worklist_convert_kernel = _contiguous_convert_kernel = None

@@ -8,6 +8,7 @@ two base pointers. Plans depend only on addresses and sizes, so they are cached 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -77,6 +78,10 @@ def build_plan(
     if len(runs) <= 1:  # nothing, or one run starting at the base tensor: offsets follow from the program id
         return Plan(None, -(-total // block), total, block, num_warps, many_base)
 
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a new multi-tensor layout cannot be planned during CUDA graph capture (its work table "
+                           "is copied to the GPU, which capture forbids); run pack/unpack once on these tensors "
+                           "before capturing")
     elsize = tensors[many_base].element_size()
     base_ptr = tensors[many_base].data_ptr()
     many_starts, flat_starts, lengths = [], [], []
@@ -104,11 +109,13 @@ def build_plan(
 
 
 class PlanCache:
-    """LRU cache of plans keyed by layout: addresses, sizes, dtype, direction and device."""
+    """LRU cache of plans keyed by layout: addresses, sizes, dtype, direction and device. Safe to use from several
+    threads (a plan built twice by a race is the same plan)."""
 
     def __init__(self, capacity: int = _PLAN_CACHE_SIZE) -> None:
         self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._capacity = capacity
+        self._lock = threading.Lock()
 
     def get(
         self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, many_is_source: bool
@@ -122,18 +129,21 @@ class PlanCache:
             tensors[0].element_size() if tensors else 0,
             tuple((t.data_ptr(), t.numel()) for t in tensors),
         )
-        plan: Optional[Plan] = self._plans.get(key)
-        if plan is None:
-            plan = build_plan(tensors, flat, many_is_source, device)
+        with self._lock:
+            plan: Optional[Plan] = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        plan = build_plan(tensors, flat, many_is_source, device)  # outside the lock: it may copy to the device
+        with self._lock:
             self._plans[key] = plan
             if len(self._plans) > self._capacity:
                 self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
         return plan
 
     def clear(self) -> None:
-        self._plans.clear()
+        with self._lock:
+            self._plans.clear()
 
 
 PLANS = PlanCache()
