@@ -11,6 +11,7 @@ launcher and falls back to it, with a warning, if they ever disagree.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -18,11 +19,12 @@ import torch
 
 from . import _triton
 from .convert import _contiguous_convert_kernel, _worklist_convert_kernel
-from .worklist import Plan
+from .worklist import Plan, build_plan
 
 logger = logging.getLogger("ddp_triton.kernels")
 
 _direct_launch_ok: Optional[bool] = None  # None: not checked yet in this process
+_SELF_CHECK_LOCK = threading.Lock()
 
 
 def kernel_arguments(
@@ -38,7 +40,7 @@ def kernel_arguments(
     if src_bf16:
         src_base = src_base.view(torch.int16)
     constexprs = dict(BLOCK=plan.block, APPLY_SCALE=scale != 1.0, SRC_BF16=src_bf16, OUT_KIND=out_kind,
-                      STATS=stats is not None)
+                      STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER)
     stats_arg = stats if stats is not None else src_base  # never written when STATS is off
     if plan.table is None:
         return _contiguous_convert_kernel, (src_base, dst_base, plan.n_elements, scale, stats_arg), constexprs
@@ -70,20 +72,31 @@ class BoundLaunch:
     """A launch whose arguments are fixed; calling it launches again on the current CUDA stream.
 
     Holds references to all its tensors (``keepalive``: the work table has the addresses of tensors that are not
-    arguments), so they stay alive as long as the launch does. In the interpreter, or when
-    the direct launch is unavailable, it goes through Triton's launcher.
+    arguments), so they stay alive as long as the launch does. In the interpreter, while a launch hook (a profiler)
+    is installed, or when the direct launch is unavailable, it goes through Triton's launcher. Bound during CUDA
+    graph capture before the direct launch's self-check could run, it uses Triton's launcher (which the graph
+    records) and binds directly at its first call outside capture.
     """
 
     def __init__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict, keepalive: Sequence = ()) -> None:
         self._plan, self._kernel, self._args, self._constexprs = plan, kernel, args, constexprs
         self._keepalive = tuple(keepalive)  # every tensor whose address is baked into the launch
         self._direct: Optional[Callable[[], None]] = None
-        device = args[0].device
-        if device.type == "cuda" and plan.n_items and not _triton.INTERPRETER:
-            self._direct = _bind_direct(plan, kernel, args, constexprs, device)
+        self._device = args[0].device
+        self._bind_later = self._device.type == "cuda" and plan.n_items > 0 and not _triton.INTERPRETER
+        if self._bind_later:
+            self._try_bind()
+
+    def _try_bind(self) -> None:
+        if _direct_launch_ok is None and _capturing():
+            return  # keep _bind_later: the self-check cannot run inside capture
+        self._bind_later = False
+        self._direct = _bind_direct(self._plan, self._kernel, self._args, self._constexprs, self._device)
 
     def __call__(self) -> None:
-        if self._direct is not None:
+        if self._bind_later:
+            self._try_bind()
+        if self._direct is not None and not launch_hooks_installed():
             self._direct()
         else:
             launch(self._plan, self._kernel, self._args, self._constexprs)
@@ -95,30 +108,34 @@ class OneShotLaunches:
 
     Keyed by every value the launch bakes in (addresses, sizes, scale, constexprs): a hit means the same memory and
     layout, which this call has just validated. Entries hold no tensors, only the plan whose work table the launch
-    reads.
+    reads. Safe to call from several threads.
     """
 
     def __init__(self, capacity: int = 256) -> None:
         self._entries: "OrderedDict[tuple, Tuple[Callable[[], None], Plan]]" = OrderedDict()
         self._capacity = capacity
+        self._lock = threading.Lock()
 
     def __call__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
         device = args[0].device
-        if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0:
+        if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0 or launch_hooks_installed():
             launch(plan, kernel, args, constexprs)
             return
         key = (id(kernel), plan.n_items, plan.num_warps, tuple(_key_of(a) for a in args), tuple(constexprs.items()))
-        entry = self._entries.get(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
         if entry is None:
             direct = _bind_direct(plan, kernel, args, constexprs, device)
             if direct is None:
                 launch(plan, kernel, args, constexprs)
                 return
-            entry = self._entries[key] = (direct, plan)
-            if len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
+            entry = (direct, plan)
+            with self._lock:
+                self._entries[key] = entry
+                if len(self._entries) > self._capacity:
+                    self._entries.popitem(last=False)
         entry[0]()
 
 
@@ -135,20 +152,59 @@ def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
 
 
 class _DirectLaunch:
-    """The compiled kernel's launcher with every argument fixed. Keeps ``compiled`` alive: its destructor unloads
-    the module that ``function`` lives in."""
+    """The compiled kernel's launcher with every argument fixed, launched on its tensors' device whatever device is
+    current on the calling thread. Keeps ``compiled`` alive: its destructor unloads the module that ``function``
+    lives in."""
 
-    __slots__ = ("compiled", "run", "grid", "index", "function", "metadata", "values", "current_stream")
+    __slots__ = ("compiled", "run", "grid", "index", "function", "metadata", "values", "current_stream",
+                 "current_device")
 
     def __init__(self, compiled: Any, run: Callable, function: Any, metadata: Any, grid: int, index: int,
                  values: list) -> None:
         self.compiled, self.run, self.function, self.metadata = compiled, run, function, metadata
         self.grid, self.index, self.values = grid, index, tuple(values)
         self.current_stream = _raw_stream_getter()
+        self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
     def __call__(self) -> None:
+        if self.current_device() != self.index:
+            # The C launcher uses the thread's current context: make it this device's.
+            with torch.cuda.device(self.index):
+                self._launch()
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
         self.run(self.grid, 1, 1, self.current_stream(self.index), self.function, self.metadata, None, None, None,
                  *self.values)
+
+
+def _hook_holder() -> Any:
+    """Where this Triton keeps its launch hooks: ``knobs.runtime`` from 3.4, ``CompiledKernel`` before."""
+    knobs = getattr(_triton.triton, "knobs", None) if _triton.AVAILABLE else None
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is not None and hasattr(runtime, "launch_enter_hook"):
+        return runtime
+    if _triton.AVAILABLE:
+        from triton.compiler.compiler import CompiledKernel
+
+        return CompiledKernel
+    return None
+
+
+_HOOKS = _hook_holder()
+
+
+def _hook_set(hook: Any) -> bool:
+    # A plain callable (Triton < 3.5) or a chain of them that is set when it holds any (3.5 on).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch_hooks_installed() -> bool:
+    """Whether a Triton launch hook (Proton, a profiler) is installed: launches then go through Triton's launcher,
+    which calls it."""
+    return _HOOKS is not None and (_hook_set(getattr(_HOOKS, "launch_enter_hook", None))
+                                   or _hook_set(getattr(_HOOKS, "launch_exit_hook", None)))
 
 
 def _raw_stream_getter() -> Callable[[int], int]:
@@ -160,38 +216,61 @@ def _raw_stream_getter() -> Callable[[int], int]:
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _direct_launch_available(device: torch.device) -> Optional[bool]:
+    """Whether the direct launch passed its self-check in this process; None while undecided because the current
+    stream is being captured into a CUDA graph (the check synchronises, which capture forbids)."""
+    global _direct_launch_ok
+    if _direct_launch_ok is not None:
+        return _direct_launch_ok
+    if _capturing():
+        return None
+    with _SELF_CHECK_LOCK:
+        if _direct_launch_ok is None:
+            try:
+                with torch.cuda.device(device):  # Triton's launcher, which the check compares with, uses this device
+                    _direct_launch_ok = _self_check(device)
+            except Exception as exc:  # any incompatibility with this Triton version: keep working, just slower
+                logger.warning("direct kernel launch unavailable (%s: %s); using Triton's launcher",
+                               type(exc).__name__, exc)
+                _direct_launch_ok = False
+    return _direct_launch_ok
+
+
 def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
                  device: torch.device) -> Optional[Callable[[], None]]:
-    """A closure that launches the compiled kernel without Triton's per-call argument handling, or None."""
-    global _direct_launch_ok
-    if _direct_launch_ok is False or (plan.table is None and plan.n_elements == 1):
+    """A closure that launches the compiled kernel without Triton's per-call argument handling, or None (use
+    Triton's launcher): when the self-check failed or cannot run yet (CUDA graph capture)."""
+    if plan.table is None and plan.n_elements == 1:
         return None  # a size of 1 is specialised away as a constant: not worth a second convention
+    if not _direct_launch_available(device):
+        return None
     try:
-        if _direct_launch_ok is None:
-            _direct_launch_ok = True  # provisionally, so that the self-check's own binds take this path
-            with torch.cuda.device(device):  # Triton's launcher, which the check compares with, uses this device
-                _direct_launch_ok = _self_check(device)
-            if not _direct_launch_ok:
-                return None
-        with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
-            compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
-            if hasattr(compiled, "result"):  # Triton 3.6 hands back a future under asynchronous compilation
-                compiled = compiled.result()
-            run = compiled.run  # first: reading it loads the binary, which sets compiled.function
-        function, metadata, grid = compiled.function, compiled.packed_metadata, plan.n_items
-        return _DirectLaunch(compiled, run, function, metadata, grid, device.index,
-                             _launcher_values(kernel, args, constexprs))
-    except Exception as exc:  # any incompatibility with this Triton version: keep working, just slower
+        return _compile_direct(plan, kernel, args, constexprs, device)
+    except Exception as exc:
+        global _direct_launch_ok
         _direct_launch_ok = False
         logger.warning("direct kernel launch unavailable (%s: %s); using Triton's launcher", type(exc).__name__, exc)
         return None
 
 
+def _compile_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict, device: torch.device) -> "_DirectLaunch":
+    with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
+        compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
+        if hasattr(compiled, "result"):  # Triton 3.6 hands back a future under asynchronous compilation
+            compiled = compiled.result()
+        run = compiled.run  # first: reading it loads the binary, which sets compiled.function
+    return _DirectLaunch(compiled, run, compiled.function, compiled.packed_metadata, plan.n_items, device.index,
+                         _launcher_values(kernel, args, constexprs))
+
+
 def _self_check(device: torch.device) -> bool:
     """Pack through both launch paths, for both kernels, and compare bits; False (and a warning) if they differ."""
-    from .worklist import build_plan  # local: avoids an import cycle at module load
-
     gen = torch.Generator(device=device).manual_seed(0)
+    # A misaligned full block (flat offset 3017) beside aligned ones, then one contiguous run with a tail.
     layouts = ([torch.randn(n, device=device, generator=gen) for n in (3000, 17, 5000)],  # the work-list kernel
                [torch.randn(8017, device=device, generator=gen)])  # the contiguous kernel
     for src in layouts:
@@ -201,10 +280,7 @@ def _self_check(device: torch.device) -> bool:
         kernel, args, constexprs = kernel_arguments(plan, src[0], expected, 0.125, 0, None)
         launch(plan, kernel, args, constexprs)
         kernel, args, constexprs = kernel_arguments(plan, src[0], got, 0.125, 0, None)
-        bound = _bind_direct(plan, kernel, args, constexprs, device)
-        if bound is None:
-            return False
-        bound()
+        _compile_direct(plan, kernel, args, constexprs, device)()
         torch.cuda.synchronize(device)
         if not torch.equal(expected, got):
             logger.warning("direct kernel launch disagreed with Triton's launcher; using Triton's launcher")

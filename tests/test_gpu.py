@@ -136,3 +136,171 @@ def test_more_than_2_to_the_31_elements_on_cuda():
     assert out[-1].item() == 1.5 and out[0].item() == 0.5 and out[2**31].item() == 0.5
     del src, out
     torch.cuda.empty_cache()
+
+
+def test_misaligned_full_blocks_on_cuda():
+    """Full blocks at offsets that are not multiples of 16 elements (after a 17-element tensor) take the masked
+    path: on the old kernel they compiled to 16-byte accesses and faulted with a misaligned address."""
+    grads = [torch.randn(n, device="cuda") for n in (3000, 17, 5000, 4096 * 3 + 1, 31)]
+    total = sum(g.numel() for g in grads)
+    out = torch.empty(total, dtype=torch.bfloat16, device="cuda")
+    pack(grads, out, 0.125)
+    assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.125))
+    back = [torch.empty_like(g) for g in grads]
+    unpack(out, back, 8.0)
+    torch.cuda.synchronize()
+    assert_same_bits(torch.cat(back), out.cpu().float().mul(8.0))
+
+
+def test_bound_launch_from_a_thread_without_a_current_device():
+    """The direct launch goes to its tensors' device, also from a fresh thread (no current context set there)."""
+    import threading
+
+    grads = [torch.randn(n, device="cuda") for n in (5000, 17, 70000)]
+    out = torch.empty(75017, dtype=torch.bfloat16, device="cuda")
+    bound = bind_pack(grads, out, 0.5)
+    out.zero_()
+    torch.cuda.synchronize()
+    errors = []
+
+    def run():
+        try:
+            bound()
+            torch.cuda.synchronize(grads[0].device)
+        except Exception as exc:  # brought back to the test thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.5))
+
+
+def test_concurrent_plain_packs_from_threads():
+    """Plain pack() from several threads at once: the plan and launch caches stay consistent."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layouts = [[torch.randn(n + k, device="cuda") for n in (300, 17, 4100)] for k in range(8)]
+
+    def work(grads):
+        out = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16, device="cuda")
+        for _ in range(20):
+            pack(grads, out, 0.25)
+        torch.cuda.synchronize()
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(work, layouts))
+    for grads, out in zip(layouts, results):
+        assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.25))
+
+
+def test_launch_hooks_are_honoured():
+    """With a Triton launch hook installed (as Proton installs one), bound launches go through Triton's launcher,
+    which calls it."""
+    seen = []
+    hooks = launch._HOOKS
+    grads = [torch.randn(n, device="cuda") for n in (4096, 300)]
+    out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
+    bound = bind_pack(grads, out, 0.5)
+    chain = getattr(hooks, "launch_enter_hook")
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        hooks.launch_enter_hook = hook
+    try:
+        bound()
+        pack(grads, out, 0.5)
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            hooks.launch_enter_hook = None
+    assert len(seen) == 2
+    assert not launch.launch_hooks_installed()
+
+
+CAPTURE_PROBE = r"""
+import torch
+from ddp_triton.kernels import bind_pack, bind_unpack, launch
+from ddp_triton.kernels.worklist import PLANS
+
+grads = [torch.randn(n, device="cuda") for n in (3000, 17, 5000)]
+bucket = torch.randn(8017, device="cuda")
+flat = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
+comm = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
+# Plan the layouts and compile the kernels (not the direct launch's self-check) before capture, as a warm-up would.
+flat.zero_()
+for tensors, flat_side, many_is_source, scale, out_kind in ((grads, flat, True, 0.5, 0), (grads, flat, False, 2.0, 2),
+                                                            ([bucket], comm, True, 0.25, 0)):
+    plan = PLANS.get(tensors, flat_side, many_is_source)
+    src, dst = (tensors[0], flat_side.view(torch.int16)) if many_is_source else (flat_side, tensors[0].view(torch.int32))
+    kernel, args, constexprs = launch.kernel_arguments(plan, src, dst, scale, out_kind, None)
+    launch.launch(plan, kernel, args, constexprs)
+for g in grads:
+    g.copy_(torch.randn_like(g))
+torch.cuda.synchronize()
+assert launch._direct_launch_ok is None
+stream = torch.cuda.Stream()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.stream(stream):
+    with torch.cuda.graph(graph, stream=stream):
+        pack = bind_pack(grads, flat, 0.5)          # first binds of the process, inside capture
+        unpack = bind_unpack(flat, grads, 2.0)
+        bucket_pack = bind_pack([bucket], comm, 0.25)
+        pack(); unpack(); bucket_pack()
+assert launch._direct_launch_ok is None, "the self-check ran inside capture"
+for g in grads:
+    g.mul_(3)
+expected_flat = torch.cat(grads).mul(0.5).to(torch.bfloat16)
+expected_grads = expected_flat.float().mul(2.0)
+bucket.mul_(-1)
+expected_comm = bucket.mul(0.25).to(torch.bfloat16)
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(flat.view(torch.int16), expected_flat.view(torch.int16))
+assert torch.equal(torch.cat(grads), expected_grads)
+assert torch.equal(comm.view(torch.int16), expected_comm.view(torch.int16))
+pack()  # outside capture: binds directly now
+assert launch._direct_launch_ok is True and pack._direct is not None
+print("ok")
+"""
+
+
+def test_first_bind_inside_cuda_graph_capture_then_replay():
+    """Binding before the direct launch's self-check has run, inside capture (where it may not synchronise): the
+    graph records Triton's launches and replays them with the right bits; outside capture the bind goes direct.
+    In a fresh process, so that nothing has run the self-check yet."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", CAPTURE_PROBE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_hook_bound_launches_replay_in_a_cuda_graph():
+    """The hook's kind of launch (bound, direct) captured and replayed: same bits as eager."""
+    bucket = torch.randn(3 * 4096 + 977, device="cuda")
+    comm = torch.empty(bucket.numel(), dtype=torch.bfloat16, device="cuda")
+    pack_bucket = bind_pack([bucket], comm, 1 / 8)
+    unpack_bucket = bind_unpack(comm, [bucket], 1.0)
+    pack_bucket()
+    torch.cuda.synchronize()
+    assert pack_bucket._direct is not None
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            pack_bucket()
+            comm.mul_(2)
+            unpack_bucket()
+    source = torch.randn(bucket.numel(), device="cuda")
+    bucket.copy_(source)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(bucket, source.mul(1 / 8).to(torch.bfloat16).mul(2).float())
