@@ -33,11 +33,13 @@ def split_average(world_size: int, comm_dtype: torch.dtype) -> Tuple[float, floa
     bfloat16 and float32 have float32's exponent range, so all of the division goes before the all-reduce, in
     float32 before the single rounding: nothing can overflow in the sum. float16 tops out at 65504 and loses
     precision below 6e-5: dividing by the whole world size first would push small gradients into subnormals, not
-    dividing would let a sum over many ranks overflow. Splitting the factor as 1/sqrt(N) on each side bounds both:
-    at N = 1024 the sum grows at most 32x and gradients shrink only 32x before the wire.
+    dividing would let a sum over many ranks overflow. So float16 splits the factor around the sum, as a power of
+    two near 1/sqrt(N) before it: the sum grows at most about sqrt(N) times and gradients shrink only about sqrt(N)
+    times before the wire (32x each at N = 1024), and a power of two scales exactly, so at a power-of-two world size
+    both factors are exact and the result is what ``fp16_compress_hook`` gives (0.25 stays 0.25).
     """
     if comm_dtype == torch.float16:
-        pre = 1.0 / math.sqrt(world_size)
+        pre = 2.0 ** -round(math.log2(world_size) / 2)
         return pre, 1.0 / (world_size * pre)
     return 1.0 / world_size, 1.0
 

@@ -48,6 +48,11 @@ def torch_bf16_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
+def torch_fp16_hook(state, bucket):
+    """torch's fp16_compress_hook, under another name for the same reason as torch_bf16_hook."""
+    return default_hooks.fp16_compress_hook(state, bucket)
+
+
 def local_slice(tensor, rank, world_size):
     per = tensor.shape[0] // world_size
     return tensor[rank * per : (rank + 1) * per]
@@ -407,10 +412,21 @@ def test_split_average_keeps_the_product():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             pre, post = split_average(n, dtype)
             assert pre * post == pytest.approx(1 / n, rel=1e-12)
-            if dtype == torch.float16:
-                assert pre == pytest.approx(1 / math.sqrt(n))
-            else:
+            if dtype != torch.float16:
                 assert post == 1.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8, 64, 100, 1024, 4096, 65536])
+def test_float16_split_is_a_power_of_two_within_the_stated_bound(n):
+    pre, post = split_average(n, torch.float16)
+    assert math.frexp(pre)[0] == 0.5, f"pre {pre} is not a power of two"
+    if n & (n - 1) == 0:  # a power-of-two world size: both factors exact
+        assert math.frexp(post)[0] == 0.5 and pre * post * n == 1.0
+    # The README's bound: a sum over N ranks grows at most sqrt(2N) times, a gradient shrinks at most sqrt(2N)
+    # times before the wire (32x each at N = 1024).
+    assert n * pre <= math.sqrt(2 * n) and 1 / pre <= math.sqrt(2 * n)
+    if n == 1024:
+        assert (pre, post) == (1 / 32, 1 / 32)
 
 
 def test_comm_state_needs_initialised_process_group():
@@ -427,7 +443,7 @@ def _fp16_worker(rank, world_size):
     nn.functional.mse_loss(reference(x), y).backward()
     ddp = DDP(model, bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp, comm_dtype=torch.float16)
-    assert state.pre_scale == pytest.approx(1 / math.sqrt(world_size))
+    assert (state.pre_scale, state.post_scale) == split_average(world_size, torch.float16)
     local_backward(ddp, x, y, rank, world_size)
     for p, q in zip(model.parameters(), reference.parameters()):
         # float16 keeps 11 significant bits: one rounding before the wire, one per addition in the sum and one
@@ -438,6 +454,33 @@ def _fp16_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_float16_on_the_wire(world_size):
     torch_path_workers(_fp16_worker, world_size)
+
+
+def _fp16_exact_worker(rank, world_size):
+    # A gradient of 0.25 on every rank comes back as exactly 0.25 (the 1/sqrt(N) split gave 0.2499733 at N = 2).
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    ddp = DDP(model)
+    ddp_triton.register(ddp, comm_dtype=torch.float16)
+    ddp(torch.full((1, 4), 0.25)).sum().backward()
+    assert torch.equal(model.weight.grad, torch.full((1, 4), 0.25)), model.weight.grad
+    # Random gradients: bit for bit what torch's fp16_compress_hook gives, at a power-of-two world size.
+    ours, theirs = make_model(), make_model()
+    x, y = make_data(0)
+    ddp_ours = DDP(ours, bucket_cap_mb=0.002)
+    ddp_triton.register(ddp_ours, comm_dtype=torch.float16)
+    ddp_theirs = DDP(theirs, bucket_cap_mb=0.002)
+    ddp_theirs.register_comm_hook(None, torch_fp16_hook)
+    local_backward(ddp_ours, x, y, rank, world_size)
+    local_backward(ddp_theirs, x, y, rank, world_size)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_float16_split_is_exact_at_power_of_two_world_sizes(world_size):
+    torch_path_workers(_fp16_exact_worker, world_size)
 
 
 def _process_group_state_worker(rank, world_size):
