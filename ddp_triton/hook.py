@@ -13,7 +13,7 @@ bucket and reused; nothing on this path synchronises with the host or loops over
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations with
 # dist.GradBucket and torch.futures.Future[torch.Tensor] as objects, and string annotations fail that check.
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,26 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
         state.end_of_backward()
     comm.pack()
     work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
+    return then_unpack(work.get_future(), comm.unpack, buffer)
 
-    def finish(_: torch.futures.Future) -> torch.Tensor:
-        # Runs once the all-reduce is done; on CUDA, on a stream that is ordered after it.
-        comm.unpack()
+
+def then_unpack(
+    reduced: torch.futures.Future, unpack: Callable[[], None], buffer: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """A future of ``buffer`` that completes once ``reduced`` has and ``unpack`` has run, or fails with its error.
+
+    ``Future.then`` runs its callback even when the future failed; reading the value re-raises the collective's
+    error, so a failed all-reduce (a dead peer, a timeout) fails the backward on this rank instead of unpacking
+    the un-reduced buffer and training on with local gradients.
+    """
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # raises if the all-reduce failed
+        # On CUDA this runs on a stream ordered after the all-reduce.
+        unpack()
         return buffer
 
-    return work.get_future().then(finish)
+    return reduced.then(finish)
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_options: Any) -> CommState:

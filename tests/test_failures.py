@@ -1,0 +1,97 @@
+"""A failed collective stops training on every surviving rank.
+
+Tier: gloo multi-process on CPU, processes started here without an agent (as two nodes' torchrun agents would be:
+nobody kills the survivors for us), plus a unit test of the hook's completion on a failed future.
+"""
+
+import os
+import queue
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from ddp_triton.algo_groups import scoped_env
+from ddp_triton.hook import then_unpack
+
+# The survivor trains for at most this long; a fixed hook raises within a few seconds of the peer's death.
+TRAIN_SECONDS = 30
+KILL_AT_STEP = 20
+
+
+def test_a_failed_all_reduce_fails_the_hook_future_and_skips_the_unpack():
+    unpacked = []
+    reduced = torch.futures.Future()
+    done = then_unpack(reduced, lambda: unpacked.append(True), torch.zeros(3))
+    reduced.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        done.wait()
+    assert unpacked == []
+
+
+def test_a_completed_all_reduce_unpacks_and_gives_the_buffer():
+    buffer = torch.arange(3.0)
+    unpacked = []
+    reduced = torch.futures.Future()
+    done = then_unpack(reduced, lambda: unpacked.append(True), buffer)
+    reduced.set_result([buffer])
+    assert done.wait() is buffer and unpacked == [True]
+
+
+def _train_until_peer_dies(rank, world_size, store_path, results, comm_dtype):
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    ddp_triton.register(ddp, comm_dtype=comm_dtype)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    start, step = time.monotonic(), 0
+    try:
+        while time.monotonic() - start < TRAIN_SECONDS:
+            if rank == 1 and step == KILL_AT_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)  # a peer dies mid-training, without a word
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            step += 1
+        results.put((rank, "completed", step, ""))
+    except Exception as exc:  # what we want: the survivor stops with the collective's error
+        results.put((rank, "raised", step, f"{type(exc).__name__}: {exc}"[:500]))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("comm_dtype", [torch.bfloat16, torch.float32], ids=["cast", "in-place"])
+def test_survivor_stops_when_a_peer_is_killed(comm_dtype):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp, scoped_env({"TRITON_INTERPRET": "0"}):
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_train_until_peer_dies, args=(r, 2, store_path, results, comm_dtype), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            rank, outcome, step, message = results.get(timeout=TRAIN_SECONDS + 60)
+        except queue.Empty:
+            pytest.fail("the survivor neither raised nor finished (hang)")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    assert rank == 0
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert outcome == "raised", f"rank 0 trained on alone for {step} steps after its peer died"
+    assert KILL_AT_STEP <= step <= KILL_AT_STEP + 1, step
+    assert message, "the error says nothing"
