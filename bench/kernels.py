@@ -31,7 +31,7 @@ from bench.common import (  # noqa: E402
     host_us_per_call,
     save_json,
 )
-from ddp_triton.kernels import bind_pack, bind_unpack, pack  # noqa: E402
+from ddp_triton.kernels import bind_pack, bind_unpack, pack, unpack  # noqa: E402
 
 WORLD = 8  # the division by world size in the pack; any N costs the same
 MiB = 1 << 20
@@ -55,16 +55,26 @@ def copy_ceiling_gbps(device: torch.device, gib: float) -> float:
     return 2 * n * 4 / us / 1e3
 
 
-def _maybe_compile(fn: Callable, enabled: bool) -> Optional[Callable]:
-    return torch.compile(fn) if enabled else None
+def _compiled(fn: Callable, example: Any, enabled: bool) -> Optional[Callable]:
+    """torch.compile of ``fn`` for exactly ``example``'s shape (``dynamic=False``: a kernel specialised to the size,
+    as Inductor gives a static-shape model), compiled and warmed up here so that no timing includes compilation."""
+    if not enabled:
+        return None
+    torch._dynamo.reset()  # each size compiles afresh, never into a dynamic-shape kernel from an earlier size
+    compiled = torch.compile(fn, dynamic=False)
+    for _ in range(3):
+        compiled(example)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return compiled
 
 
-def _bucket_case(device: torch.device, mb: float, ceiling: float, compiled_pre: Optional[Callable],
-                 compiled_post: Optional[Callable]) -> List[Dict[str, Any]]:
+def _bucket_case(device: torch.device, mb: float, ceiling: float, compile_: bool) -> List[Dict[str, Any]]:
     """Pack and unpack rows for one flat float32 bucket of ``mb`` MiB."""
     n = int(mb * MiB) // 4
     buf = torch.randn(n, device=device)
     comm = torch.empty(n, dtype=torch.bfloat16, device=device)
+    compiled_pre = _compiled(lambda b: (b * (1.0 / WORLD)).to(torch.bfloat16), buf, compile_)
+    compiled_post = _compiled(lambda c: c.float(), comm, compile_)
     ours_pack = bind_pack([buf], comm, 1.0 / WORLD)
     ours_unpack = bind_unpack(comm, [buf], 1.0)
     ours_pack()
@@ -95,11 +105,9 @@ def _bucket_case(device: torch.device, mb: float, ceiling: float, compiled_pre: 
 
 def bucket_rows(device: torch.device, sizes_mb: List[float], ceiling: float, compile_: bool) -> List[Dict[str, Any]]:
     """One flat float32 bucket per size: pack (to bf16, /N) and unpack (to fp32), ours beside torch's."""
-    compiled_pre = _maybe_compile(lambda b: (b * (1.0 / WORLD)).to(torch.bfloat16), compile_)
-    compiled_post = _maybe_compile(lambda c: c.float(), compile_)
     rows = []
     for mb in sizes_mb:
-        rows += _bucket_case(device, mb, ceiling, compiled_pre, compiled_post)
+        rows += _bucket_case(device, mb, ceiling, compile_)
     return rows
 
 
@@ -118,8 +126,8 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     back = [torch.empty_like(g) for g in grads]
     bind_unpack(flat, back, 1.0)()
     exact["unpack"] = bool(torch.equal(torch.cat([b.flatten() for b in back]), flat.float()))
-    compiled = _maybe_compile(lambda gs: torch.cat([g.flatten() for g in gs]).mul(1.0 / WORLD).to(torch.bfloat16),
-                              compile_)
+    compiled = _compiled(lambda gs: torch.cat([g.flatten() for g in gs]).mul(1.0 / WORLD).to(torch.bfloat16),
+                         grads, compile_)
     ours_unpack = bind_unpack(flat, grads, 1.0)
     views = list(flat.split([g.numel() for g in grads]))
 
@@ -145,18 +153,61 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     return rows
 
 
-def host_overhead_rows(device: torch.device) -> List[Dict[str, Any]]:
-    """Host microseconds per call for a tiny bucket: the cost a hook pays on the training thread per bucket."""
+def host_overhead_rows(device: torch.device, shapes: List[tuple]) -> List[Dict[str, Any]]:
+    """Host microseconds per call (the GPU is never the limit here): the cost a hook pays on the training thread
+    per bucket, and a plain pack of GPT-2's gradient list, beside torch's own ops."""
     src = torch.randn(1024, device=device)
     out = torch.empty(1024, dtype=torch.bfloat16, device=device)
     bound = bind_pack([src], out, 1.0 / WORLD)
+    grads = [torch.empty(s, device=device) for s in shapes]
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16, device=device)
     candidates = [
         ("ddp_triton bind_pack (bound launch)", bound),
-        ("ddp_triton pack() (checks + plan cache + launch)", lambda: pack([src], out, 1.0 / WORLD)),
+        ("ddp_triton pack() of 1 tensor (checks + caches + launch)", lambda: pack([src], out, 1.0 / WORLD)),
+        (f"ddp_triton pack() of {len(grads)} tensors", lambda: pack(grads, flat, 1.0 / WORLD)),
+        (f"ddp_triton unpack() of {len(grads)} tensors", lambda: unpack(flat, grads)),
         ("torch copy_ (one elementwise op)", lambda: out.copy_(src)),
         ("torch mul(...).to(bfloat16) (two ops)", lambda: src.mul(1.0 / WORLD).to(torch.bfloat16)),
     ]
-    return [{"call": name, "host_us": host_us_per_call(fn, device)} for name, fn in candidates]
+    rows = [{"call": name, "host_us": host_us_per_call(fn, device)} for name, fn in candidates]
+    if device.type == "cuda":
+        rows.append({"call": "CUDA graph replay of the bound pack", "host_us": graph_replay_host_us(bound, device)})
+    return rows
+
+
+def graph_replay_host_us(launch_fn: Callable[[], None], device: torch.device) -> float:
+    """Host microseconds per replay of a CUDA graph that holds one bound launch."""
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            launch_fn()
+    return host_us_per_call(graph.replay, device)
+
+
+def graph_rows(device: torch.device, mb: float) -> List[Dict[str, Any]]:
+    """The hook's pack and unpack of one ``mb`` MiB bucket captured in a CUDA graph: device time per replay beside
+    the eager bound launches, and whether the replay gives the eager bits."""
+    n = int(mb * MiB) // 4
+    buf = torch.randn(n, device=device)
+    comm = torch.empty(n, dtype=torch.bfloat16, device=device)
+    pack_b, unpack_b = bind_pack([buf], comm, 1.0 / WORLD), bind_unpack(comm, [buf], 1.0)
+    eager = lambda: (pack_b(), unpack_b())  # noqa: E731
+    source = buf.clone()
+    eager()
+    expected = buf.clone()
+    buf.copy_(source)
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            eager()
+    buf.copy_(source)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    exact = bool(torch.equal(buf, expected))
+    return [{"mb": mb, "eager_pack_unpack_us": bench_us(eager, device),
+             "graph_pack_unpack_us": bench_us(graph.replay, device), "graph_bitexact": exact}]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -182,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     compile_ = not args.no_compile
     buckets = bucket_rows(device, sizes, ceiling, compile_)
     gradients = gradient_list_rows(device, shapes, ceiling, compile_)
-    host = host_overhead_rows(device)
+    host = host_overhead_rows(device, shapes)
+    graphs = graph_rows(device, 25.0 if not args.quick else 1.0) if device.type == "cuda" else []
 
     bucket_table = format_table(
         ["MiB", "op", "ours us", "GB/s", "of ceiling", "torch us", "compiled us", "ours/torch", "bit-exact"],
@@ -193,15 +245,18 @@ def main(argv: Optional[List[str]] = None) -> int:
          "compiled/ours", "bit-exact"],
         [[r["tensors"], r["op"], r["ours_us"], r["floor_us"], r["ours_over_floor"], r["torch_us"],
           r["torch_over_ours"], r["compiled_us"], r["compiled_over_ours"], r["bitexact"]] for r in gradients])
-    host_table = format_table(["call (1024 elements)", "host us/call"], [[r["call"], r["host_us"]] for r in host])
+    host_table = format_table(["call", "host us/call"], [[r["call"], r["host_us"]] for r in host])
+    graph_table = format_table(["MiB", "eager pack+unpack us", "graph replay us", "replay bit-exact"],
+                               [[r["mb"], r["eager_pack_unpack_us"], r["graph_pack_unpack_us"], r["graph_bitexact"]]
+                                for r in graphs])
     path = save_json("kernels", {"env": env, "copy_ceiling_gbps": ceiling, "buckets": buckets,
-                                 "gradient_list": gradients, "host": host}, args.out_dir)
+                                 "gradient_list": gradients, "host": host, "graph": graphs}, args.out_dir)
     print(f"{env}\ncopy ceiling: {ceiling:.0f} GB/s\n")
-    print(bucket_table, "\n", gradient_table, "\n", host_table, sep="\n")
+    print(bucket_table, "\n", gradient_table, "\n", host_table, "\n", graph_table, sep="\n")
     print(f"\nsaved {path}")
     if not args.no_results and device.type == "cuda":
         append_results("bench/kernels.py", env, [f"Copy ceiling {ceiling:.0f} GB/s.", bucket_table,
-                                                 gradient_table, host_table])
+                                                 gradient_table, host_table, graph_table])
     return 0
 
 
