@@ -193,11 +193,12 @@ def _digest_device(pg: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] = None) -> str:
+def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] = None, given: str = "") -> str:
     """Verify every rank holds the same profile (or none); RuntimeError on every rank if not. Returns the digest.
 
     Exchanges a fixed-size digest tensor with all_gather (works on gloo and NCCL, no pickling), so every rank sees
     the same list and all of them fail together instead of some waiting on a collective the others never reach.
+    ``given`` (what this rank was asked to use, e.g. "profile=None") goes into the error.
     """
     pg = process_group if process_group is not None else dist.group.WORLD
     digest = profile.digest() if profile is not None else _NO_PROFILE
@@ -218,7 +219,9 @@ def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] 
             by_digest.setdefault(d, []).append(r)
         parts = "; ".join(f"ranks {rs}: {'no profile' if d == _NO_PROFILE else d[:16]}"
                           for d, rs in by_digest.items())
+        mine = f"; rank {dist.get_rank()} was given {given}" if given else ""
         raise RuntimeError(
-            f"ranks disagree on the tuning profile ({parts}). Every rank must use the same profile (same file or "
-            "cache, same topology), or buckets would go to different algorithms and hang.")
+            f"ranks disagree on the tuning profile ({parts}{mine}). Every rank must use the same profile (same file "
+            "or cache, same topology, the same profile argument), or buckets would go to different algorithms and "
+            "hang.")
     return digest

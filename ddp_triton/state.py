@@ -116,21 +116,25 @@ class CommState:
         self.profile = self._setup_profile(self.profile)
 
     def _setup_profile(self, spec: ProfileSpec) -> Any:
-        if spec is None:  # nothing to look up, so nothing ranks could disagree on: no collective either
-            return None
         from .algo_groups import check_profile_agreement, make_algorithm_groups
-        from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
 
-        profile = resolve_profile(spec, self)
+        profile = None
+        if spec is not None:
+            from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
+
+            profile = resolve_profile(spec, self)
         unusable = self._unusable_here(profile)
         use_device = torch.cuda.device(self.device) if self.device is not None and self.device.type == "cuda" \
             else contextlib.nullcontext()
+        # Every rank compares, whatever it was given (None included): a rank with a profile would otherwise wait
+        # forever in group creation while one without it trains on. Over the whole world, because group creation
+        # is too; a state of a subgroup that was given no profile creates no group and compares within its group
+        # (the other ranks may never build one). A rank that cannot run the profile (its NCCL lacks an algorithm)
+        # shows a digest of its own, so every rank fails here together.
+        agreement_group = self.group if spec is None and self.group is not dist.group.WORLD else dist.group.WORLD
         with use_device:  # NCCL's collectives here run on the current device: make it the model's
-            # Always compare, also when this rank found none: a rank with a profile would otherwise wait forever in
-            # group creation while one without it trains on. Over the whole world, because group creation is too.
-            # A rank that cannot run the profile (its NCCL lacks an algorithm) shows a digest of its own, so every
-            # rank fails here together instead of the others waiting in group creation.
-            check_profile_agreement(profile if unusable is None else unusable, dist.group.WORLD)
+            check_profile_agreement(profile if unusable is None else unusable, agreement_group,
+                                    given=_describe_spec(spec))
             if unusable is not None:
                 raise unusable.error
             if profile is not None:
@@ -194,6 +198,14 @@ class CommState:
     def held_bytes(self) -> int:
         """Bytes of communication buffers this state holds (those that are not DDP's own bucket buffers)."""
         return sum(e.comm.numel() * e.comm.element_size() for e in self.buckets.values() if e.comm is not e.buffer)
+
+
+def _describe_spec(spec: ProfileSpec) -> str:
+    if spec is None or isinstance(spec, str):
+        return f"profile={spec!r}"
+    if isinstance(spec, os.PathLike):
+        return f"profile={os.fspath(spec)!r}"
+    return f"profile={type(spec).__name__}"
 
 
 def _nothing() -> None:

@@ -125,3 +125,45 @@ def test_unusable_profile_detected_on_nccl(monkeypatch):
     unusable = CommState._unusable_here(nccl_rank, nvls)
     assert unusable is not None and "NCCL_NVLS_ENABLE" in str(unusable.error) and len(unusable.digest()) == 64
     assert CommState._unusable_here(SimpleNamespace(backend="gloo"), nvls) is None  # gloo runs no NCCL algorithm
+
+
+def _mixed_specs_worker(rank, world_size, tmp, specs):
+    paths = {name: os.path.join(tmp, f"{name}.json") for name in ("a", "b")}
+    if rank == 0:
+        two_range_profile(world_size).save(paths["a"])
+        two_range_profile(world_size, split=SPLIT_BYTES * 2).save(paths["b"])
+    dist.barrier()
+    spec = specs[rank]
+    spec = paths.get(spec, spec)
+    os.environ["XDG_CACHE_HOME"] = os.path.join(tmp, "empty-cache")  # "auto" finds nothing cached
+    with pytest.raises(RuntimeError, match="ranks disagree on the tuning profile") as raised:
+        ddp_triton.CommState(comm_dtype=torch.float32, profile=spec)
+    assert f"was given profile={spec!r}" in str(raised.value)
+
+
+@pytest.mark.parametrize("specs", [
+    pytest.param(("a", None), id="file-vs-none"),
+    pytest.param((None, "a"), id="none-vs-file"),
+    pytest.param(("a", "auto"), id="file-vs-auto-without-cache"),
+    pytest.param(("a", "b"), id="two-different-files"),
+])
+def test_ranks_given_different_profile_arguments_all_fail(tmp_path, specs):
+    torch_path_workers(_mixed_specs_worker, 2, str(tmp_path), specs)
+
+
+def _file_vs_default_hook_worker(rank, world_size, tmp):
+    path = os.path.join(tmp, "a.json")
+    if rank == 0:
+        two_range_profile(world_size, comm_dtype="bfloat16").save(path)
+    dist.barrier()
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    with pytest.raises(RuntimeError, match="ranks disagree on the tuning profile"):
+        if rank == 0:
+            ddp_triton.register(ddp, comm_dtype=torch.bfloat16, profile=path)
+        else:  # torch's way: the default state, no profile, built at the first bucket
+            ddp.register_comm_hook(None, ddp_triton.triton_hook)
+            ddp(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_profile_on_one_rank_and_the_default_hook_on_another_fail_together(tmp_path):
+    torch_path_workers(_file_vs_default_hook_worker, 2, str(tmp_path))
