@@ -135,8 +135,9 @@ if _triton.AVAILABLE:
         lanes = tl.arange(0, BLOCK)
         # Alignment is decided per block, so one oddly sized tensor does not cost the others their vector accesses.
         if (length == BLOCK) & (src_offset % ALIGN == 0) & (dst_offset % ALIGN == 0):
-            # Offsets re-derived as multiples of ALIGN, which the compiler can prove: a multiple_of hint on the loaded
-            # values would tag the table load itself and vectorise the misaligned path below too.
+            # Offsets re-derived as multiples of ALIGN, which the compiler can prove. A multiple_of hint on the loaded
+            # values would tag the table load itself: every use of them, the masked path's included, would then be
+            # compiled as aligned (more registers there; with an unmasked misaligned path, a misaligned 16-byte fault).
             src_aligned = (src_offset // ALIGN) * ALIGN
             dst_aligned = (dst_offset // ALIGN) * ALIGN
             _convert_full_block(src_base + src_aligned + lanes, dst_base + dst_aligned + lanes, item, scale, stats,

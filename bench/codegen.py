@@ -1,0 +1,573 @@
+"""What the conversion kernels compile to for a GPU, built here without one.
+
+    python -m bench.codegen                 # a table for sm_90 (H100, H200)
+    python -m bench.codegen --arch 90 --json
+
+Triton compiles to PTX and runs its bundled ptxas without a device, so the code a GPU would run can be inspected on
+any Linux machine. Every variant is one launch the library really makes (``VARIANTS``): the contiguous kernel for a
+25 MiB and a 100 MiB DDP bucket, the work-list kernel for GPT-2 small's 148 gradients, to bfloat16, float16 and
+float32 and back, with and without stats. BLOCK, num_warps, the constexprs and the argument types come from the
+library's own launch path (``worklist.build_plan`` on CPU tensors of the real sizes, then
+``launch.kernel_arguments``), so this report follows the library when its heuristics change.
+
+Columns, per variant:
+
+- registers: per thread, of the cubin Triton built (``cuobjdump -res-usage``, which also gives ``stack_bytes``);
+  spill bytes (stores + loads): what Triton's own ptxas says (``-v``) of the same PTX; shared memory: the bytes
+  Triton launches the kernel with (its metadata).
+- load and store widths: bits per thread of every global ``ld``/``st`` in the PTX (``ld.global.v4.b32`` = 128);
+  "full block": those on the path a full, aligned block takes (below), as ``bits x count``; in the JSON,
+  ``other_paths``: the widths off that path, where partial and misaligned blocks go.
+- hw convert: whether narrowing uses the hardware's ``cvt.rn`` to bf16/f16 (always False for float32 outputs).
+- instructions per element, PTX and SASS: instructions *executed* by one thread on the full-block path, divided by
+  the elements each thread converts (BLOCK / (32 * num_warps)). The path is found in each listing's control-flow
+  graph (a DAG here: no loops): of all paths from entry to exit, the one with the most global stores of the
+  kernel's widest store width, and among those the shortest: a full block is stored in the widest accesses, and a
+  thread that may leave early at a predicated exit does. SASS is disassembled from the cubin Triton built
+  (``nvdisasm``); PTX counts are virtual instructions before ptxas optimises them. A listing with loops or indirect
+  jumps gets no count (``None``).
+
+Triton's binaries are found as Triton finds them: ptxas through Triton's backend (3.9 assembles sm_90 with its
+newer "ptxas-blackwell"), nvdisasm and cuobjdump as ``TRITON_<NAME>_PATH``, then the wheel's
+``triton/backends/nvidia/bin``, then ``PATH``. A missing tool leaves its columns empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if __name__ == "__main__":
+    # Triton decides when a kernel is decorated whether it is interpreted: compiled mode must be on before the
+    # kernels are imported. Importers set it themselves (compile_launch refuses interpreted kernels).
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench.common import format_table  # noqa: E402
+from bench.kernels import gpt2_small_shapes  # noqa: E402
+from ddp_triton.kernels import _triton  # noqa: E402
+from ddp_triton.kernels.launch import kernel_arguments  # noqa: E402
+from ddp_triton.kernels.pack import _BITS_DTYPE, _OUT_KIND  # noqa: E402
+from ddp_triton.kernels.worklist import build_plan  # noqa: E402
+from ddp_triton.state import split_average  # noqa: E402
+
+MiB = 1 << 20
+WORLD = 8  # the world size behind the scales; only whether a scale is 1.0 changes the code
+WARP = 32
+
+# Triton's type names for pointer arguments, by the tensor's dtype.
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int16: "*i16",
+                  torch.int32: "*i32", torch.int64: "*i64"}
+
+_HW_CONVERT = re.compile(r"\bcvt\.rn(?:\.satfinite)?\.(?:bf16|f16)(?:x2)?\.f32\b")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The launches the library makes
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch: which layout, which direction, the wire dtype, and whether unpack also writes stats."""
+
+    name: str
+    layout: str  # "bucket25", "bucket100" (one flat bucket: the contiguous kernel) or "gpt2" (148 tensors)
+    op: str  # "pack" (fp32 tensors -> flat comm buffer) or "unpack" (flat -> fp32 tensors)
+    comm: torch.dtype  # the flat buffer's dtype
+    stats: bool = False
+
+
+VARIANTS: Tuple[Variant, ...] = (
+    Variant("bucket 25M pack fp32->bf16", "bucket25", "pack", torch.bfloat16),
+    Variant("bucket 25M unpack bf16->fp32", "bucket25", "unpack", torch.bfloat16),
+    Variant("bucket 100M pack fp32->bf16", "bucket100", "pack", torch.bfloat16),
+    Variant("bucket 100M unpack bf16->fp32", "bucket100", "unpack", torch.bfloat16),
+    Variant("bucket 25M pack fp32->fp16", "bucket25", "pack", torch.float16),
+    Variant("bucket 25M unpack fp16->fp32", "bucket25", "unpack", torch.float16),
+    Variant("bucket 25M pack fp32->fp32", "bucket25", "pack", torch.float32),
+    Variant("gpt2 pack fp32->bf16", "gpt2", "pack", torch.bfloat16),
+    Variant("gpt2 unpack bf16->fp32", "gpt2", "unpack", torch.bfloat16),
+    Variant("gpt2 unpack bf16->fp32 +stats", "gpt2", "unpack", torch.bfloat16, stats=True),
+    Variant("gpt2 pack fp32->fp16", "gpt2", "pack", torch.float16),
+    Variant("gpt2 unpack fp16->fp32 +stats", "gpt2", "unpack", torch.float16, stats=True),
+    Variant("gpt2 pack fp32->fp32", "gpt2", "pack", torch.float32),
+)
+
+
+def _separate_tensors(numels: Sequence[int]) -> List[torch.Tensor]:
+    """float32 CPU tensors of these sizes, none a memory neighbour of the next (as separately allocated gradients
+    are), so each is its own segment of the work list. Views of one buffer with a 64-byte gap after each: memory
+    untouched, layout deterministic."""
+    gap = 16
+    buffer = torch.empty(sum(numels) + gap * len(numels))
+    tensors, position = [], 0
+    for n in numels:
+        tensors.append(buffer[position:position + n])
+        position += n + gap
+    return tensors
+
+
+def _layout_tensors(layout: str) -> List[torch.Tensor]:
+    if layout == "gpt2":
+        return _separate_tensors([int(torch.Size(s).numel()) for s in gpt2_small_shapes()])
+    mib = {"bucket25": 25, "bucket100": 100}[layout]
+    return [torch.empty(mib * MiB // 4)]
+
+
+def launch_of(variant: Variant) -> Tuple[Any, tuple, dict, int]:
+    """(kernel, args, constexprs, num_warps) of the variant as pack.py builds them, on CPU tensors of the real
+    sizes (allocated, never touched)."""
+    tensors = _layout_tensors(variant.layout)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=variant.comm)
+    pre, post = split_average(WORLD, variant.comm)
+    device = torch.device("cpu")
+    if variant.op == "pack":
+        plan = build_plan(tensors, flat, True, device)
+        dst = flat.view(_BITS_DTYPE[flat.dtype])
+        kernel, args, constexprs = kernel_arguments(plan, tensors[plan.many_base], dst, pre, _OUT_KIND[flat.dtype],
+                                                    None)
+    else:
+        plan = build_plan(tensors, flat, False, device)
+        base = tensors[plan.many_base]
+        stats = torch.empty((plan.n_items, 2)) if variant.stats else None
+        kernel, args, constexprs = kernel_arguments(plan, flat, base.view(_BITS_DTYPE[base.dtype]), post,
+                                                    _OUT_KIND[base.dtype], stats)
+    return kernel, args, constexprs, plan.num_warps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The compile request
+
+
+def argument_types(args: Sequence[Any]) -> List[str]:
+    """Triton's signature types of launch arguments: tensors by dtype, ints as i32 when they fit, floats as fp32."""
+    types = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            types.append(_POINTER_TYPES[arg.dtype])
+        elif isinstance(arg, bool):
+            types.append("i1")
+        elif isinstance(arg, int):
+            types.append("i32" if -(2 ** 31) <= arg < 2 ** 31 else "i64")
+        elif isinstance(arg, float):
+            types.append("fp32")
+        else:
+            raise TypeError(f"no Triton type for {type(arg).__name__}")
+    return types
+
+
+def divisible_by_16(args: Sequence[Any]) -> List[int]:
+    """Indices of arguments Triton's launcher reports as multiples of 16: tensors at 16-byte-aligned addresses
+    (every fresh torch allocation) and ints divisible by 16. (A size of exactly 1, which the launcher turns into a
+    constant, does not occur here.)"""
+    indices = []
+    for i, arg in enumerate(args):
+        value = arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+        if isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+            indices.append(i)
+    return indices
+
+
+def source(fn: Any, types: Dict[str, str], constexprs: Dict[str, Any], aligned: Sequence[int]) -> Any:
+    """Triton's compile request for ``fn``: argument types by name, constexpr values, and which arguments (by
+    position) are multiples of 16. How a request says so changed twice: Triton 3.0-3.1, 3.2, and 3.3 onwards."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    version = _triton.version_tuple()
+    if version < (3, 2):
+        from triton.compiler.compiler import AttrsDescriptor
+
+        return ASTSource(fn=fn, signature={i: types[n] for i, n in enumerate(names) if n in types},
+                         constants={i: constexprs[n] for i, n in enumerate(names) if n in constexprs},
+                         attrs=AttrsDescriptor(divisible_by_16=set(aligned)))
+    signature = {n: types.get(n, "constexpr") for n in names}
+    if version < (3, 3):
+        from triton.backends.compiler import AttrsDescriptor
+
+        return ASTSource(fn=fn, signature=signature, constants=constexprs,
+                         attrs=AttrsDescriptor.from_hints({i: 16 for i in aligned}))
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+
+
+def compile_launch(kernel: Any, args: tuple, constexprs: dict, num_warps: int, arch: int) -> Any:
+    """The compiled kernel Triton's launcher would build for these arguments on a GPU of compute capability
+    ``arch`` (90: sm_90a). Needs the kernels imported in compiled mode (TRITON_INTERPRET=0)."""
+    if _triton.INTERPRETER:
+        raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: run this in a fresh process with "
+                           "TRITON_INTERPRET=0 (python -m bench.codegen does)")
+    from triton.backends.compiler import GPUTarget
+
+    names = kernel.arg_names
+    types = dict(zip(names, argument_types(args)))
+    src = source(kernel, types, constexprs, divisible_by_16(args))
+    return triton.compile(src, target=GPUTarget("cuda", arch, WARP), options={"num_warps": num_warps})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton's CUDA tools
+
+
+def tool(name: str) -> Optional[str]:
+    """Path of one of the CUDA binaries Triton bundles (nvdisasm, cuobjdump), found as Triton finds them, or None."""
+    override = os.environ.get(f"TRITON_{name.upper().replace('-', '_')}_PATH")
+    if override and os.access(override, os.X_OK):
+        return override
+    bundled = Path(triton.__file__).resolve().parent / "backends" / "nvidia" / "bin" / name
+    if os.access(bundled, os.X_OK):
+        return str(bundled)
+    return shutil.which(name)
+
+
+def triton_ptxas(arch: int) -> Optional[str]:
+    """The ptxas Triton itself runs for ``arch``: Triton 3.9 assembles sm_90 with its newer "ptxas-blackwell",
+    3.6 only sm_100 on, 3.0 has one. Asked of Triton's backend (private, so any failure falls back to the plain
+    bundled ptxas)."""
+    try:
+        from triton.backends.nvidia import compiler
+
+        if hasattr(compiler, "get_ptxas"):
+            found = compiler.get_ptxas(arch)
+            return getattr(found, "path", found)
+        return compiler._path_to_binary("ptxas")[0]
+    except Exception:  # another version's private API: the bundled one is the next best guess
+        return tool("ptxas")
+
+
+def _version_line(path: Optional[str]) -> str:
+    """``ptxas 12.8.55``: a CUDA tool's name and release, from its ``--version``."""
+    if path is None:
+        return "no ptxas"
+    run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    release = re.search(r"release [\d.]+, V([\d.]+)", run.stdout)
+    return f"{Path(path).name} {release.group(1) if release else '?'}"
+
+
+def _run_on_file(argv: List[str], content: Union[str, bytes], name: str) -> str:
+    """Run a tool on ``content``, written to a file called ``name`` that ``argv`` names as "{}", in a scratch
+    directory; its stdout and stderr, or "" when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        argv = [str(path) if a == "{}" else a for a in argv]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp)
+    return run.stdout + run.stderr if run.returncode == 0 else ""
+
+
+def spill_bytes(ptx: str, arch: int) -> Optional[int]:
+    """Bytes spilled (stores + loads) that Triton's ptxas reports (``-v``) for the PTX's own target, with ptxas's
+    default options: Triton may add others (3.9: ``--regAllocOptLevel=2``), so the cubin's stack frame
+    (:func:`resource_usage`) is the other witness of no spills."""
+    ptxas = triton_ptxas(arch)
+    target = re.search(r"^\s*\.target\s+(\w+)", ptx, re.M)
+    if ptxas is None or target is None:
+        return None
+    log = _run_on_file([ptxas, "-v", f"--gpu-name={target.group(1)}", "{}", "-o", "kernel.cubin"], ptx, "kernel.ptx")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(spills.group(1)) + int(spills.group(2)) if spills else None
+
+
+def resource_usage(cubin: bytes) -> Dict[str, Optional[int]]:
+    """Registers per thread and stack frame bytes of the cubin Triton built (``cuobjdump -res-usage``)."""
+    cuobjdump = tool("cuobjdump")
+    log = _run_on_file([cuobjdump, "-res-usage", "{}"], cubin, "kernel.cubin") if cuobjdump else ""
+    registers, stack = re.search(r"REG:(\d+)", log), re.search(r"STACK:(\d+)", log)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "stack_bytes": int(stack.group(1)) if stack else None}
+
+
+def disassemble(cubin: bytes) -> Optional[str]:
+    """The cubin's SASS as ``nvdisasm -c`` prints it, or None without nvdisasm."""
+    nvdisasm = tool("nvdisasm")
+    return (_run_on_file([nvdisasm, "-c", "{}"], cubin, "kernel.cubin") or None) if nvdisasm else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Listings as control-flow graphs
+
+
+class Instr(NamedTuple):
+    """One instruction of a listing, reduced to what the path analysis needs."""
+
+    kind: str  # "branch", "exit", "other", or "unknown" (indirect control flow: no analysis)
+    guarded: bool  # under a predicate: a branch may fall through, an exit may not be taken
+    target: Optional[str]  # a branch's label
+    access: Optional[Tuple[str, int]]  # ("load" | "store", bits per thread) for a global memory access
+
+
+@dataclass
+class Listing:
+    """A kernel's instructions in order, and the index each label points at."""
+
+    instrs: List[Instr]
+    labels: Dict[str, int]
+
+
+def _ptx_access(op: str) -> Optional[Tuple[str, int]]:
+    parts = op.split(".")
+    if parts[0] not in ("ld", "st") or "global" not in parts:
+        return None
+    vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
+    bits = next((int(p[1:]) for p in parts if re.fullmatch(r"[bsuf]\d+", p)), None)
+    return ("load" if parts[0] == "ld" else "store", vector * bits) if bits else None
+
+
+def _ptx_instr(statement: str) -> Instr:
+    guard = re.match(r"@!?%?\w+\s+", statement)
+    body = statement[guard.end():] if guard else statement
+    op = body.split()[0]
+    if op.startswith("brx"):
+        return Instr("unknown", bool(guard), None, None)
+    if op.startswith("bra"):
+        return Instr("branch", bool(guard), body.split()[-1], None)
+    if op in ("ret", "exit", "trap"):
+        return Instr("exit", bool(guard), None, None)
+    return Instr("other", bool(guard), None, _ptx_access(op))
+
+
+def parse_ptx(ptx: str) -> Listing:
+    """The first ``.entry`` of a PTX module: its statements (directives and labels aside) and labels."""
+    lines = ptx.splitlines()
+    start = next(i for i, line in enumerate(lines) if ".entry" in line)
+    start = next(i for i in range(start, len(lines)) if lines[i].strip() == "{")
+    listing = Listing([], {})
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        text = line.split("//")[0].strip()
+        label = re.fullmatch(r"(\$?[\w$.]+):", text)
+        if label:
+            listing.labels[label.group(1)] = len(listing.instrs)
+            continue
+        for statement in text.split(";")[:-1]:
+            statement = statement.strip().lstrip("{").rstrip("}").strip()
+            if statement and not statement.startswith("."):
+                listing.instrs.append(_ptx_instr(statement))
+    return listing
+
+
+def _sass_access(op: str) -> Optional[Tuple[str, int]]:
+    parts = op.split(".")
+    if parts[0] not in ("LDG", "STG"):
+        return None
+    bits = 32
+    for part in parts[1:]:
+        if part.isdigit():
+            bits = int(part)
+        elif re.fullmatch(r"[US](8|16)", part):
+            bits = int(part[1:])
+    return ("load" if parts[0] == "LDG" else "store", bits)
+
+
+def _sass_instr(text: str) -> Optional[Instr]:
+    guard = re.match(r"@(!?)(U?P\w+)\s+", text)
+    if guard and guard.group(1) == "!" and guard.group(2) == "PT":
+        return None  # never executes
+    guarded = bool(guard) and guard.group(2) != "PT"
+    body = text[guard.end():] if guard else text
+    op = body.split()[0]
+    base = op.split(".")[0]
+    if base == "BRA":
+        target = re.search(r"`\(([^)]+)\)", body)
+        return Instr("branch", guarded, target.group(1), None) if target else Instr("unknown", guarded, None, None)
+    if base == "EXIT":
+        return Instr("exit", guarded, None, None)
+    if base in ("BRX", "JMX", "JMP", "CALL", "RET"):
+        return Instr("unknown", guarded, None, None)
+    return Instr("other", guarded, None, _sass_access(op))
+
+
+def parse_sass(sass: str) -> Listing:
+    """One kernel's SASS as ``nvdisasm -c`` prints it: instructions in address order and their labels."""
+    listing = Listing([], {})
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            listing.labels[label.group(1)] = len(listing.instrs)
+            continue
+        code = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if code:
+            instr = _sass_instr(code.group(1))
+            if instr is not None:
+                listing.instrs.append(instr)
+    return listing
+
+
+def _successors(listing: Listing, i: int) -> Tuple[List[int], bool]:
+    """(instructions that may run after instruction i, whether the thread may end at it)."""
+    instr = listing.instrs[i]
+    if instr.kind == "branch":
+        following = [listing.labels[instr.target]] + ([i + 1] if instr.guarded else [])
+    elif instr.kind == "exit":
+        following = [i + 1] if instr.guarded else []
+    else:
+        following = [i + 1]
+    inside = [j for j in following if j < len(listing.instrs)]
+    return inside, instr.kind == "exit" or len(inside) < len(following)
+
+
+def _reachable(listing: Listing) -> Optional[List[int]]:
+    """Indices reachable from the entry, in order; None where control flow loops or jumps indirectly."""
+    seen, stack = set(), [0] if listing.instrs else []
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        instr = listing.instrs[i]
+        if instr.kind == "unknown" or (instr.kind == "branch" and instr.target not in listing.labels):
+            return None  # indirect or unresolved control flow
+        seen.add(i)
+        following, _ = _successors(listing, i)
+        if any(j <= i for j in following):
+            return None  # a backward edge: a loop, which a static count cannot weigh
+        stack.extend(following)
+    return sorted(seen)
+
+
+def full_block_path(listing: Listing) -> Optional[List[int]]:
+    """The entry-to-exit path a full block takes: most global stores at the kernel's widest store width, then
+    fewest instructions. Indices of its instructions in order, or None (loops, indirect jumps, no code)."""
+    reachable = _reachable(listing)
+    if not reachable:
+        return None
+    accesses = [listing.instrs[i].access for i in reachable]
+    widest = max((a[1] for a in accesses if a and a[0] == "store"), default=0)
+    best: Dict[int, Tuple[Tuple[int, int], Optional[int]]] = {}
+    for i in reversed(reachable):  # every edge goes forward, so successors are done first
+        access = listing.instrs[i].access
+        here = (-1 if access == ("store", widest) else 0, 1)
+        following, may_end = _successors(listing, i)
+        options = [(best[j][0], j) for j in following] + ([((0, 0), None)] if may_end else [])
+        cost, choice = min(options, key=lambda option: option[0])
+        best[i] = ((here[0] + cost[0], here[1] + cost[1]), choice)
+    path, i = [], 0
+    while i is not None:
+        path.append(i)
+        i = best[i][1]
+    return path
+
+
+def _widths(listing: Listing, indices: Sequence[int], kind: str) -> List[int]:
+    return sorted({listing.instrs[i].access[1] for i in indices
+                   if listing.instrs[i].access and listing.instrs[i].access[0] == kind})
+
+
+def _counts(listing: Listing, indices: Sequence[int], kind: str) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for i in indices:
+        access = listing.instrs[i].access
+        if access and access[0] == kind:
+            counts[str(access[1])] = counts.get(str(access[1]), 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reports
+
+
+def _per_element(listing: Optional[Listing], elements_per_thread: float) -> Optional[float]:
+    path = full_block_path(listing) if listing is not None else None
+    return round(len(path) / elements_per_thread, 2) if path else None
+
+
+def access_fields(ptx: str) -> Dict[str, Any]:
+    """Global access widths of the whole kernel, counts on the full-block path, widths off it (the paths partial
+    and misaligned blocks take), all from the PTX."""
+    listing = parse_ptx(ptx)
+    path = full_block_path(listing) or []
+    reachable = _reachable(listing) or range(len(listing.instrs))
+    others = sorted(set(reachable) - set(path))
+    return {
+        "load_widths": _widths(listing, reachable, "load"),
+        "store_widths": _widths(listing, reachable, "store"),
+        "full_block": {"loads": _counts(listing, path, "load"), "stores": _counts(listing, path, "store")},
+        "other_paths": {"load_widths": _widths(listing, others, "load"),
+                        "store_widths": _widths(listing, others, "store")},
+    }
+
+
+def report(variant: Variant, arch: int = 90) -> Dict[str, Any]:
+    """Compile one variant for ``arch`` and describe its code (see the module docstring for each field)."""
+    kernel, args, constexprs, num_warps = launch_of(variant)
+    compiled = compile_launch(kernel, args, constexprs, num_warps, arch)
+    ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
+    sass = disassemble(cubin)
+    elements_per_thread = constexprs["BLOCK"] / (WARP * num_warps)
+    ptx_per_element = _per_element(parse_ptx(ptx), elements_per_thread)
+    sass_per_element = _per_element(parse_sass(sass) if sass else None, elements_per_thread)
+    return {
+        "name": variant.name,
+        "kernel": kernel.__name__,
+        "arch": arch,
+        "triton": triton.__version__,
+        "block": constexprs["BLOCK"],
+        "num_warps": num_warps,
+        "elements_per_thread": elements_per_thread,
+        "constexprs": constexprs,
+        "signature": argument_types(args),
+        "src_bits": args[0].element_size() * 8,
+        "dst_bits": args[1].element_size() * 8,
+        **resource_usage(cubin),
+        "spill_bytes": spill_bytes(ptx, arch),
+        "shared_bytes": compiled.metadata.shared,
+        **access_fields(ptx),
+        "hw_convert": bool(_HW_CONVERT.search(ptx)),
+        "ptx_per_element": ptx_per_element,
+        "sass_per_element": sass_per_element,
+        "instr_per_element": sass_per_element if sass_per_element is not None else ptx_per_element,
+    }
+
+
+def reports(arch: int = 90, variants: Sequence[Variant] = VARIANTS) -> List[Dict[str, Any]]:
+    """One report per variant, compiled for ``arch``."""
+    return [report(v, arch) for v in variants]
+
+
+def _accesses(counts: Dict[str, int]) -> str:
+    return " ".join(f"{bits}x{n}" for bits, n in counts.items()) or "-"
+
+
+def format_reports(rows: Sequence[Dict[str, Any]]) -> str:
+    """The reports as a markdown table."""
+    headers = ["variant", "BLOCK", "warps", "regs", "spill B", "smem B", "ld bits", "st bits", "full-block ld",
+               "full-block st", "hw cvt", "PTX/elem", "SASS/elem"]
+    body = [[r["name"], r["block"], r["num_warps"], r["registers"], r["spill_bytes"], r["shared_bytes"],
+             ",".join(map(str, r["load_widths"])), ",".join(map(str, r["store_widths"])),
+             _accesses(r["full_block"]["loads"]), _accesses(r["full_block"]["stores"]),
+             "yes" if r["hw_convert"] else "no", r["ptx_per_element"], r["sass_per_element"]] for r in rows]
+    return format_table(headers, body)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.codegen", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
+    parser.add_argument("--json", action="store_true", help="print the reports as a JSON list instead of a table")
+    options = parser.parse_args(argv)
+    rows = reports(options.arch)
+    if options.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    ptxas = _version_line(triton_ptxas(options.arch))
+    print(f"Triton {triton.__version__}, compute capability {options.arch}, {ptxas}; per element: instructions one "
+          "thread executes on the full-block path / elements per thread")
+    print(format_reports(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
