@@ -6,7 +6,8 @@
   and the profile says so in ``notes``.
 * ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
   ``measure.load_factory``) for candidate bucket sizes and hooks; the fastest wins.
-* ``write_nccl_tuner_csv``: the profile's table as the CSV NCCL's example tuner plugin reads.
+* ``write_nccl_tuner_csv``: the profile's table as the CSV NCCL's example tuner plugin reads
+  (``nccl_tuner_csv_text``: the same text, unwritten).
 
 ``measure_worker`` and ``e2e_worker`` are the entry points ``measure.spawn_local`` runs on each process.
 """
@@ -27,6 +28,7 @@ from .measure import E2E_HOOKS, agree_on_plan, run_e2e, run_sweep
 from .profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, TableEntry, build_table,
                       choose_bucket_cap_mb, format_bytes, now_iso, profile_fingerprint, rows_for_dtype,
                       save_to_cache)
+from .safe_write import atomic_write_text
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
 TUNER_MAX_BYTES = (1 << 64) - 1
@@ -258,8 +260,8 @@ def e2e_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
-    """Write the table as the CSV of NCCL's example tuner plugin (plugins/tuner/example, ``NCCL_TUNER_CONFIG_FILE``).
+def nccl_tuner_csv_text(profile: Profile) -> str:
+    """The table as the CSV of NCCL's example tuner plugin (plugins/tuner/example, ``NCCL_TUNER_CONFIG_FILE``).
 
     One ``allreduce`` row per range: ``collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks``
     with channels -1 (NCCL's choice) and the profile's nodes and world size. The plugin needs a protocol per row;
@@ -275,10 +277,16 @@ def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
         hi = TUNER_MAX_BYTES if t.max_bytes is None else t.max_bytes
         lines.append(f"allreduce,{t.min_bytes},{hi},{t.algorithm},{t.protocol.lower()},-1,"  # type: ignore[union-attr]
                      f"{profile.nodes},{profile.world_size}")
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text("\n".join(lines) + "\n")
-    return p
+    return "\n".join(lines) + "\n"
+
+
+def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
+    """Write ``nccl_tuner_csv_text(profile)`` to ``path``, atomically; returns the path.
+
+    ValueError when the profile cannot be a tuner CSV (see there), and ``OutputError`` (a ValueError naming the
+    path) when ``path`` is a symlink, directory, device or FIFO, or cannot be written: nothing is written then.
+    """
+    return atomic_write_text(path, nccl_tuner_csv_text(profile))
 
 
 def describe_table(profile: Profile) -> str:

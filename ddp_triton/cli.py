@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``topo``: the GPU topology (NVML, a preset or a JSON file) as ``nvidia-smi topo -m`` prints it, or JSON.
+* ``topo``: the GPU topology (NVML, a preset or a JSON file) as ``nvidia-smi topo -m`` prints it, or JSON (with
+  none found, ``--json`` prints an object with ``topology`` null, the ``error`` and the ``presets``).
 * ``autotune``: make a profile. ``--model-only`` from the cost model (no GPU needed); by default by timing
   all-reduces (one process per local GPU, or in place under ``torchrun`` for several nodes; ``--backend gloo
   --nproc N`` times CPU processes); ``--e2e MODULE:FUNCTION`` by timing DDP steps of your model. The profile goes
@@ -10,8 +11,9 @@ Subcommands:
 * ``profile show FILE``: a profile in words (or ``--json``).
 * ``env``: versions of Python, torch, Triton and NCCL, the GPUs torch and NVML see: what a bug report needs.
 
-Exit codes: 0 done, 2 bad usage or bad input (unknown topology, unreadable profile, impossible numbers), 1 a
-failure while measuring.
+Exit codes: 0 done, 2 bad usage or bad input (unknown topology, unreadable profile, impossible numbers, an output
+path that is a symlink, directory, device or FIFO), 1 a failure while measuring or while writing an output that
+passed its checks. Every output is checked before any is written, and written atomically (``safe_write``).
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def cmd_topo(args: argparse.Namespace) -> int:
         from .topology import PRESETS
 
         print(f"no GPU topology here: {e}", file=sys.stderr)
-        print("presets: " + ", ".join(sorted(PRESETS)))
+        if args.json:  # stdout stays JSON, and says so
+            print(json.dumps({"topology": None, "error": str(e), "presets": sorted(PRESETS)}, indent=2))
+        else:
+            print("presets: " + ", ".join(sorted(PRESETS)))
         return EXIT_OK
     if args.json:
         print(topo.to_json())
@@ -160,10 +165,27 @@ def _launch_topology(args: argparse.Namespace, world_size: Optional[int], requir
         warn_once(f"topology unknown ({e}); the profile gets no fingerprint, so the hook will not find it in the "
                   "cache: pass --topology, and use --out to keep it")
         return None
+    _check_world_fits(topo, args, world_size)
     try:
         return apply_launch_env(topo, nodes=args.nodes, world_size=world_size, inter_node_gbps=args.inter_node_gbps)
     except (TopologyError, ValueError) as e:
         raise UsageError(str(e)) from None
+
+
+def _check_world_fits(topo: Any, args: argparse.Namespace, world_size: Optional[int]) -> None:
+    """A world size the topology's GPUs per node cannot hold over the nodes given, named in the flags' words (the
+    library's own error speaks of its ``nodes=`` argument). Node counts from the launcher are left to it."""
+    if world_size is None or (args.nodes is None and "LOCAL_WORLD_SIZE" in os.environ):
+        return
+    nodes = args.nodes if args.nodes is not None else topo.nodes
+    have = topo.gpus_per_node
+    if world_size % nodes or world_size // nodes <= have:
+        return
+    fits = next(n for n in range(-(-world_size // have), world_size + 1) if world_size % n == 0)
+    given = f"--nodes {args.nodes}" if args.nodes is not None else f"{nodes} node(s)"
+    other = " (or a smaller --world-size)" if args.world_size is not None else ""
+    raise UsageError(f"world size {world_size} over {given} needs {world_size // nodes} GPUs per node, but topology "
+                     f"{topo.name!r} has {have}: pass --nodes {fits}{other}")
 
 
 def _sizes(args: argparse.Namespace, comm_dtype: str) -> List[int]:
@@ -199,26 +221,79 @@ def _check_tuner_csv(args: argparse.Namespace, topo: Any, backend: str) -> None:
         raise UsageError(f"--nccl-tuner-csv needs the cost model's protocols: {e}") from None
 
 
+class _WriteFailed(Exception):
+    """An output that passed its checks could not be written (disk full, say): one line, exit 1."""
+
+
+def _writes_cache(args: argparse.Namespace) -> bool:
+    """Does this process write the cache? Under torchrun, rank 0 and the first process of each other node do."""
+    if args.no_cache:
+        return False
+    return not _under_torchrun() or os.environ.get("RANK") == "0" or os.environ.get("LOCAL_RANK") == "0"
+
+
+def _writes_files(args: argparse.Namespace) -> bool:
+    """Does this process write --out and --nccl-tuner-csv? Rank 0 does (it reports)."""
+    return not _under_torchrun() or os.environ.get("RANK") == "0"
+
+
+def _check_outputs(args: argparse.Namespace, profile: Any = None) -> None:
+    """Every output this process will write can be written: UsageError naming the first that cannot, before any is
+    written (and, called without a profile, before measuring). A path must be new (its folders are made) or a
+    regular file: never a symlink, directory, device or FIFO (``ddp_triton.safe_write``)."""
+    from .profile import ProfileError, cache_dir, check_cache_writable
+    from .safe_write import OutputError, check_writable_target
+
+    if _writes_cache(args):
+        try:
+            check_cache_writable(profile)
+        except ProfileError as e:
+            xdg = os.environ.get("XDG_CACHE_HOME")
+            where = f"XDG_CACHE_HOME={xdg}" if xdg else f"the cache is {cache_dir()}"
+            raise UsageError(f"{e} ({where}; or pass --no-cache)") from None
+    if not _writes_files(args):
+        return
+    named = [(flag, path) for flag, path in (("--out", args.out), ("--nccl-tuner-csv", args.nccl_tuner_csv))
+             if path is not None]
+    for flag, path in named:
+        try:
+            check_writable_target(path)
+        except OutputError as e:
+            raise UsageError(f"{flag} {e}") from None
+    if len(named) == 2 and os.path.abspath(named[0][1]) == os.path.abspath(named[1][1]):
+        raise UsageError(f"--out and --nccl-tuner-csv name the same file {named[0][1]}")
+
+
 def _emit(profile: Any, args: argparse.Namespace) -> int:
-    """Write the profile where asked: cache, --out, --nccl-tuner-csv, stdout."""
-    from .autotune import write_nccl_tuner_csv
-    from .profile import save_to_cache
+    """Write the profile where asked: cache, --out, --nccl-tuner-csv, stdout. Everything is rendered and every
+    output checked before the first is written."""
+    from .autotune import nccl_tuner_csv_text
+    from .profile import ProfileError, save_to_cache
+    from .safe_write import OutputError, atomic_write_text
 
     human = sys.stderr if args.json else sys.stdout
-    written = []
-    if not args.no_cache:
-        cached = save_to_cache(profile)
-        if cached is not None:
-            written.append(cached)
-        else:
-            print("not cached: no topology fingerprint", file=human)
-    if args.out:
-        written.append(profile.save(args.out))
+    csv_text = None
     if args.nccl_tuner_csv:
         try:
-            written.append(write_nccl_tuner_csv(profile, args.nccl_tuner_csv))
+            csv_text = nccl_tuner_csv_text(profile)
         except ValueError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"--nccl-tuner-csv: {e}") from None
+    _check_outputs(args, profile)
+    written = []
+    try:
+        if not args.no_cache:
+            cached = save_to_cache(profile)
+            if cached is not None:
+                written.append(cached)
+            else:
+                print("not cached: no topology fingerprint", file=human)
+        if args.out:
+            written.append(profile.save(args.out))
+        if csv_text is not None:
+            written.append(atomic_write_text(args.nccl_tuner_csv, csv_text))
+    except (ProfileError, OutputError) as e:
+        done = f" (written before it: {', '.join(map(str, written))})" if written else ""
+        raise _WriteFailed(f"{e}{done}") from None
     if args.json:
         print(profile.to_json())
     else:
@@ -255,6 +330,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
     modes = [m for m, on in (("--model-only", args.model_only), ("--e2e", args.e2e)) if on]
     if len(modes) > 1:
         raise UsageError(f"{' and '.join(modes)} exclude each other")
+    _check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
     if args.model_only:
         return _autotune_model(args, comm_dtype)
     return _autotune_distributed(args, comm_dtype, dtypes)
@@ -499,6 +575,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"ddp-triton: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except _WriteFailed as e:
+        print(f"ddp-triton: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:  # the reader went away (`ddp-triton env | head`): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
         return EXIT_BROKEN_PIPE

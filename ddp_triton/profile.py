@@ -40,13 +40,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .cost_model import ALGORITHMS, PROTOCOLS, normalize_dtype
 from .log import warn_once
+from .safe_write import OutputError, atomic_write_text, check_writable_folder, check_writable_target
 
 SCHEMA_VERSION = 1
 SOURCES = ("model", "measured", "e2e")
@@ -76,6 +76,19 @@ class ProfileError(ValueError):
     def __init__(self, message: str, path: Optional[PathLike] = None):
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    unknown = sorted(set(map(str, d)) - set(known))
+    if unknown:
+        raise ValueError(f"{where}unknown field(s) {', '.join(map(repr, unknown))}")
+
+
+_PROFILE_FIELDS = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb", "bucket_reason",
+                   "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions", "created",
+                   "e2e", "notes")
+_TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
+_SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -307,12 +320,21 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
-        """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content."""
+        """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content. A field the
+        schema does not have (a misspelt one, say), at the top or in a table or sweep entry, is refused by name, as
+        topology files refuse theirs."""
         if not isinstance(d, Mapping):
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {version!r} is not the supported {SCHEMA_VERSION}")
+        _refuse_unknown(d, _PROFILE_FIELDS, "")
+        for key, known in (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)):
+            entries = d.get(key)
+            if isinstance(entries, list):
+                for i, entry in enumerate(entries):
+                    if isinstance(entry, Mapping):
+                        _refuse_unknown(entry, known, f"{key}[{i}]: ")
         notes = d.get("notes") or []
         try:
             return cls(
@@ -336,40 +358,41 @@ class Profile:
         """Parse; ProfileError naming ``path`` on anything wrong."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except RecursionError:
+            raise ProfileError("not valid JSON (nested too deeply)", path) from None
+        except ValueError as e:  # JSONDecodeError, or an integer of too many digits
             raise ProfileError(f"not valid JSON ({e})", path) from None
         try:
             return cls.from_dict(data)
         except ProfileError:
             raise
+        except RecursionError:
+            raise ProfileError("invalid profile: nested too deeply", path) from None
         except ValueError as e:
             raise ProfileError(f"invalid profile: {e}", path) from None
 
     def save(self, path: PathLike) -> Path:
-        """Write atomically (temp file + rename, so a reader never sees half a file); returns the path."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=str(p.parent))
+        """Write atomically (temp file + rename, so a reader never sees half a file); returns the path.
+
+        ``path`` must be a new path (missing folders are made) or a regular file: a symlink, directory, device or
+        FIFO there is refused with ProfileError naming it, and nothing is written (``ddp_triton.safe_write``)."""
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-                f.write("\n")
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return p
+            return atomic_write_text(path, self.to_json() + "\n")
+        except OutputError as e:
+            raise ProfileError(f"cannot write profile: {e.reason}", e.path) from None
 
     @classmethod
     def load(cls, path: PathLike) -> "Profile":
         """Read and validate ``path``; ProfileError naming the file on any problem."""
         try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProfileError(f"cannot read profile ({e.__class__.__name__}: {e})", path) from None
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise ProfileError(f"cannot read profile: {e.strerror or e}", path) from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"not a JSON profile: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})",
+                               path) from None
         return cls.from_json(text, path)
 
 
@@ -406,12 +429,35 @@ def cache_path(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -
     return cache_dir() / f"profile-{safe}-w{int(world_size)}-n{int(nodes)}-{normalize_dtype(comm_dtype)}.json"
 
 
-def save_to_cache(profile: Profile) -> Optional[Path]:
-    """Write ``profile`` where ``find_cached_profile`` looks for it; None (nothing written) without a fingerprint."""
+def cache_path_of(profile: Profile) -> Optional[Path]:
+    """The cache file ``save_to_cache`` writes ``profile`` to; None without a fingerprint."""
     if not profile.topology_fingerprint:
         return None
-    return profile.save(cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes,
-                                   profile.comm_dtype))
+    return cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes, profile.comm_dtype)
+
+
+def check_cache_writable(profile: Optional[Profile] = None) -> None:
+    """ProfileError unless the cache can be written: its folder is a directory (or can be made) and, given
+    ``profile``, its file there is new or a regular file. Writes nothing."""
+    try:
+        path = cache_path_of(profile) if profile is not None else None
+        if path is not None:
+            check_writable_target(path)
+        else:
+            check_writable_folder(cache_dir())
+    except OutputError as e:
+        raise ProfileError(f"cannot write the profile cache: {e.reason}", e.path) from None
+
+
+def save_to_cache(profile: Profile) -> Optional[Path]:
+    """Write ``profile`` where ``find_cached_profile`` looks for it; None (nothing written) without a fingerprint."""
+    path = cache_path_of(profile)
+    if path is None:
+        return None
+    try:
+        return atomic_write_text(path, profile.to_json() + "\n")
+    except OutputError as e:
+        raise ProfileError(f"cannot write the profile cache: {e.reason}", e.path) from None
 
 
 def find_cached_profile(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Optional[Profile]:

@@ -434,27 +434,45 @@ class Topology:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: Union[str, os.PathLike[str]]) -> None:
-        """Write `to_json()` to path; `Topology.load` reads it back (as source "file")."""
-        with open(os.fspath(path), "w", encoding="utf-8") as f:
-            f.write(self.to_json() + "\n")
+        """Write `to_json()` to path; `Topology.load` reads it back (as source "file").
+
+        Atomically (temp file + rename); a symlink, directory, device or FIFO at `path` is refused with
+        TopologyError naming it, and nothing is written (see `ddp_triton.safe_write`).
+        """
+        from ddp_triton.safe_write import OutputError, atomic_write_text
+
+        try:
+            atomic_write_text(path, self.to_json() + "\n")
+        except OutputError as e:
+            raise TopologyError(f"{e.path}: cannot write topology file: {e.reason}") from None
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike[str]]) -> Topology:
         """Read a file written by `save`; TopologyError naming the file and the problem if it is unreadable."""
         path = os.fspath(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                raw = f.read()
         except OSError as e:
             raise TopologyError(f"{path}: cannot read topology file: {e.strerror or e}") from e
         try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TopologyError(
+                f"{path}: not a JSON topology file: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})"
+            ) from None
+        try:
             d = json.loads(text)
-        except ValueError as e:  # JSONDecodeError, or bad UTF-8
+        except RecursionError:
+            raise TopologyError(f"{path}: not valid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, or an integer of too many digits
             raise TopologyError(f"{path}: not valid JSON: {e}") from e
         try:
             topo = cls.from_dict(d)
         except TopologyError as e:
             raise TopologyError(f"{path}: {e}") from e
+        except RecursionError:
+            raise TopologyError(f"{path}: nested too deeply to be a topology") from None
         return dataclasses.replace(topo, source="file")
 
     def fingerprint(self) -> str:

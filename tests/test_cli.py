@@ -306,3 +306,238 @@ def test_measure_without_gpu_says_what_to_do(capsys, env):
                                            ("2KB", 2048)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input and unwritable outputs: exit 2, one line naming the cause, no traceback, nothing written
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _snapshot(root: Path) -> dict:
+    """Every path under root with its kind, and the bytes of regular files (symlinks: where they point)."""
+    import stat
+
+    seen = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                seen[str(p)] = ("link", os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                seen[str(p)] = ("file", p.read_bytes(), stat.S_IMODE(st.st_mode))
+            else:
+                seen[str(p)] = (stat.S_IFMT(st.st_mode), st.st_rdev)
+    return seen
+
+
+def _char_device(path: Path) -> None:
+    """A character device node (the numbers of /dev/full) in the test's own folder, so that code which replaced it
+    would replace nothing of the machine's; skipped where we may not make device nodes."""
+    import stat
+
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    except (PermissionError, AttributeError, OSError) as e:
+        pytest.skip(f"cannot make a device node here: {e}")
+
+
+def _deep_json(depth: int = 100_000) -> str:
+    return "[" * depth + "]" * depth
+
+
+MODEL = ["autotune", "--model-only", "--topology", "dgx-h100"]
+
+
+def _binary(t, name="bin.json", data=bytes(range(128, 256))):
+    (t / name).write_bytes(data)
+    return str(t / name)
+
+
+def _deep(t, name="deep.json"):
+    (t / name).write_text(_deep_json())
+    return str(t / name)
+
+
+def _dir(t, name="d"):
+    (t / name).mkdir()
+    return str(t / name)
+
+
+def _link(t, name, to, target_text=None):
+    if target_text is not None:
+        (t / to).write_text(target_text)
+    (t / name).symlink_to(to)
+    return str(t / name)
+
+
+def _fifo(t, name="fifo"):
+    os.mkfifo(t / name)
+    return str(t / name)
+
+
+def _device(t, name="full"):
+    _char_device(t / name)
+    return str(t / name)
+
+
+def _file(t, name, text="a file\n"):
+    (t / name).write_text(text)
+    return str(t / name)
+
+
+def _cache_link(t):
+    (t / "cache").mkdir()
+    (t / "cache" / "ddp-triton").symlink_to(t / "nowhere")
+    return MODEL
+
+
+# Each case: a set-up (given the test's folder, it makes the bad input there and returns the argv, or the argv and
+# extra environment) and the words the one line of error must hold. autotune runs also get --out tmp/out.json and
+# --nccl-tuner-csv tmp/t.csv where the case names none of its own, and the cache is at tmp/cache (unless the case
+# moves it): every output is watched.
+BAD_INPUTS = [
+    pytest.param(lambda t: ["autotune", "--model-only", "--topology", _binary(t)], ["bin.json", "UTF-8"],
+                 id="binary-topology-autotune"),
+    pytest.param(lambda t: ["topo", "--topology", _binary(t, data=b"\xff\xfe{}")], ["bin.json", "UTF-8"],
+                 id="binary-topology-topo"),
+    pytest.param(lambda t: ["topo", "--topology", _deep(t)], ["deep.json", "nested too deeply"], id="deep-topology"),
+    pytest.param(lambda t: ["profile", "show", _deep(t)], ["deep.json", "nested too deeply"], id="deep-profile"),
+    pytest.param(lambda t: ["profile", "show", _binary(t, data=b"\x80\x81")], ["bin.json", "UTF-8"],
+                 id="binary-profile"),
+    pytest.param(lambda t: MODEL + ["--out", _dir(t)], ["--out", "is a directory"], id="out-directory"),
+    pytest.param(lambda t: MODEL + ["--nccl-tuner-csv", _dir(t)], ["--nccl-tuner-csv", "is a directory"],
+                 id="csv-directory"),
+    pytest.param(lambda t: MODEL + ["--out", _link(t, "link.json", "target.json", "keep me\n")],
+                 ["--out", "link.json", "symbolic link"], id="out-symlink-to-a-file"),
+    pytest.param(lambda t: MODEL + ["--out", _link(t, "link.json", "missing.json")],
+                 ["--out", "link.json", "symbolic link"], id="out-dangling-symlink"),
+    pytest.param(lambda t: MODEL + ["--out", _link(t, "stdout", "/proc/self/fd/1")], ["--out", "symbolic link"],
+                 id="out-like-dev-stdout"),
+    pytest.param(lambda t: MODEL + ["--out", _device(t)], ["--out", "character device"], id="out-device"),
+    pytest.param(lambda t: MODEL + ["--nccl-tuner-csv", _device(t)], ["--nccl-tuner-csv", "character device"],
+                 id="csv-device"),
+    pytest.param(lambda t: MODEL + ["--out", _fifo(t)], ["--out", "FIFO"], id="out-fifo"),
+    pytest.param(lambda t: MODEL + ["--nccl-tuner-csv", _fifo(t)], ["--nccl-tuner-csv", "FIFO"], id="csv-fifo"),
+    pytest.param(lambda t: MODEL + ["--out", os.path.join(_file(t, "file"), "p.json")], ["--out", "not a directory"],
+                 id="out-under-a-file"),
+    pytest.param(lambda t: (MODEL, {"XDG_CACHE_HOME": _file(t, "xdg")}),
+                 ["cache", "xdg", "is not a directory", "--no-cache"], id="cache-home-is-a-file"),
+    pytest.param(_cache_link, ["cache", "ddp-triton", "symbolic link"], id="cache-dir-is-a-dangling-symlink"),
+    pytest.param(lambda t: MODEL + ["--out", str(t / "same"), "--nccl-tuner-csv", str(t / "same")], ["same file"],
+                 id="out-and-csv-one-file"),
+    pytest.param(lambda t: MODEL + ["--world-size", "12"], ["--nodes 2"], id="world-size-names-the-flag"),
+]
+
+
+def _run_bad_input(setup, says, tmp_path, run) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    made = setup(work)
+    argv, extra_env = made if isinstance(made, tuple) else (made, {})
+    if argv[0] == "autotune":
+        for flag, name in (("--out", "out.json"), ("--nccl-tuner-csv", "t.csv")):
+            if flag not in argv:
+                argv = argv + [flag, str(work / name)]
+    before = _snapshot(work)
+    code, out, err = run({"XDG_CACHE_HOME": str(work / "cache"), **extra_env}, argv)
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp-triton: error: "), err
+    for word in says:
+        assert word in lines[0], (word, lines[0])
+    assert "nodes=" not in lines[0]
+    assert out == ""
+    # No cache, no --out, no CSV, no temporary file; links, FIFOs and device nodes as they were.
+    assert _snapshot(work) == before
+
+
+@pytest.mark.parametrize("setup,says", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, says, env, tmp_path, monkeypatch, capsys):
+    def in_process(extra_env, argv):
+        for k, v in extra_env.items():
+            monkeypatch.setenv(k, v)
+        code = main(argv)  # an exception here (a traceback from the command) fails the test
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    _run_bad_input(setup, says, tmp_path, in_process)
+
+
+@pytest.mark.parametrize("setup,says", [c for c in BAD_INPUTS if c.id in (
+    "binary-topology-topo", "deep-profile", "csv-directory", "out-like-dev-stdout", "cache-home-is-a-file")])
+def test_bad_input_from_the_command_line(setup, says, env, tmp_path):
+    """The same, as a user runs it: a fresh interpreter, no traceback on stderr, exit 2."""
+
+    def subprocess_run(extra_env, argv):
+        r = cli({**env, **extra_env}, *argv)
+        return r.returncode, r.stdout, r.stderr
+
+    _run_bad_input(setup, says, tmp_path, subprocess_run)
+
+
+def test_outputs_are_checked_before_modelling(env, tmp_path, monkeypatch, capsys):
+    # An output that cannot be written fails before the (possibly long) work, not after it.
+    from ddp_triton import autotune
+
+    def refuse(*a, **k):
+        raise AssertionError("modelled before checking the outputs")
+
+    monkeypatch.setattr(autotune, "model_profile", refuse)
+    (tmp_path / "d").mkdir()
+    assert main(MODEL + ["--out", str(tmp_path / "d")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_out_replaces_a_regular_file_atomically_keeping_its_mode(env, tmp_path):
+    out, csv = tmp_path / "p.json", tmp_path / "t.csv"
+    out.write_text("old\n")
+    os.chmod(out, 0o640)
+    hard = tmp_path / "other-name.json"
+    os.link(out, hard)
+    r = cli(env, *MODEL, "--out", str(out), "--nccl-tuner-csv", str(csv))
+    assert r.returncode == 0, r.stderr
+    assert Profile.load(out).world_size == 8
+    assert os.stat(out).st_mode & 0o777 == 0o640
+    assert hard.read_text() == "old\n"  # replaced by rename, not rewritten in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "other-name.json", "p.json", "t.csv"]
+    # a new file gets the umask's mode, not a temporary file's 0600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(csv).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_topo_json_without_a_topology_prints_json(env, monkeypatch, capsys):
+    from ddp_triton import topology
+
+    def no_nvml(nvml=None):
+        raise topology.TopologyError("NVML unavailable (test)")
+
+    monkeypatch.setattr(topology, "from_nvml", no_nvml)
+    assert main(["topo", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # stdout is JSON, and nothing else
+    assert doc["topology"] is None and "NVML unavailable (test)" in doc["error"]
+    assert "dgx-h100" in doc["presets"]
+    assert "NVML unavailable (test)" in captured.err
+    # without --json, words as before
+    assert main(["topo"]) == 0
+    assert "presets: " in capsys.readouterr().out
+
+
+def test_world_size_error_speaks_of_flags(env, capsys):
+    assert main(MODEL + ["--world-size", "12", "--nodes", "1", "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "--nodes" in err and "nodes=" not in err
+
+
+def test_profile_with_an_unknown_field_is_refused_by_name(env, tmp_path, capsys):
+    good = tmp_path / "p.json"
+    assert main(MODEL + ["--out", str(good), "--no-cache"]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(json.loads(good.read_text()), bucket_cap_mbs=3)))
+    capsys.readouterr()
+    assert main(["profile", "show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "bucket_cap_mbs" in err

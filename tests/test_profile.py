@@ -309,3 +309,81 @@ def test_summary_mentions_the_essentials(h100x2):
     _, prof = h100x2
     s = prof.summary()
     assert "bucket_cap_mb" in s and "nvls_tree" in s and "DDP arguments" in s
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files: never written through a link or onto a device; bad bytes, deep nesting and unknown fields named
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_save_refuses_a_symlink_a_directory_and_a_fifo(tmp_path):
+    import os
+
+    (tmp_path / "real.json").write_text("keep\n")
+    (tmp_path / "link.json").symlink_to("real.json")
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name, says in (("link.json", "symbolic link"), ("dir", "directory"), ("fifo", "FIFO")):
+        with pytest.raises(ProfileError, match=says) as info:
+            small_profile().save(tmp_path / name)
+        assert info.value.path == str(tmp_path / name)
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "real.json").read_text() == "keep\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "fifo", "link.json", "real.json"]
+
+
+def test_save_to_cache_when_the_cache_home_is_a_file(tmp_path, monkeypatch, h100x2):
+    from ddp_triton.profile import check_cache_writable
+
+    (tmp_path / "xdg").write_text("a file\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(ProfileError, match="is not a directory"):
+        check_cache_writable()
+    with pytest.raises(ProfileError, match="cache"):
+        save_to_cache(h100x2[1])
+    assert (tmp_path / "xdg").read_text() == "a file\n"
+
+
+@pytest.mark.parametrize("content,says", [
+    pytest.param(b"\x89PNG\r\n\x1a\n\x00", "UTF-8", id="binary"),
+    pytest.param(("[" * 100_000 + "]" * 100_000).encode(), "nested too deeply", id="deep-array"),
+    pytest.param(('{"e2e": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001).encode(), "nested too deeply",
+                 id="deep-object"),
+    pytest.param(b'{"schema_version": ' + b"1" * 5000 + b"}", "not valid JSON", id="huge-integer"),
+])
+def test_load_names_undecodable_files(content, says, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError, match=says) as info:
+        Profile.load(path)
+    assert info.value.path == str(path)
+
+
+def test_load_names_a_directory(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read") as info:
+        Profile.load(tmp_path)
+    assert info.value.path == str(tmp_path)
+
+
+@pytest.mark.parametrize("edit,name", [
+    pytest.param(lambda d: d.update(bucket_cap_mbs=3), "bucket_cap_mbs", id="top-level"),
+    pytest.param(lambda d: d["table"][0].update(protocl="LL"), "table[0]: unknown field(s) 'protocl'", id="table"),
+    pytest.param(lambda d: d["sweep"][0].update(extra=1), "sweep[0]: unknown field(s) 'extra'", id="sweep"),
+])
+def test_unknown_fields_are_refused_by_name(edit, name, tmp_path):
+    d = small_profile(sweep=[row(1024, "ring", 10.0)]).to_dict()
+    edit(d)
+    with pytest.raises(ValueError) as info:
+        Profile.from_dict(d)
+    assert name in str(info.value)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="unknown field"):
+        Profile.load(path)
+
+
+def test_every_field_written_is_known(h100x2):
+    from ddp_triton.profile import _PROFILE_FIELDS, _SWEEP_FIELDS, _TABLE_FIELDS
+
+    d = h100x2[1].to_dict()
+    assert set(d) == set(_PROFILE_FIELDS)
+    assert set(d["table"][0]) == set(_TABLE_FIELDS) and set(d["sweep"][0]) == set(_SWEEP_FIELDS)

@@ -478,3 +478,42 @@ def test_launch_env_fewer_gpus_on_one_node():
 def test_launch_env_inconsistent(kwargs, env, problem):
     with pytest.raises(ValueError, match=problem):
         apply_launch_env(load_preset("dgx-h100"), env=env, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        pytest.param(b"\xff\xfe\x00{", "UTF-8", id="binary"),
+        pytest.param(("[" * 100_000 + "]" * 100_000).encode(), "nested too deeply", id="deep-json"),
+        pytest.param(
+            ('{"name": "x", "gpus": [], "matrix": [], "notes": ' + "[" * 900 + "]" * 900 + "}").encode(),
+            "nested too deeply|notes",
+            id="deep-but-parsable",
+        ),
+    ],
+)
+def test_undecodable_file_names_file_and_problem(content, problem, tmp_path):
+    path = tmp_path / "topo.json"
+    path.write_bytes(content)
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    assert str(path) in str(info.value)
+    assert re.search(problem, str(info.value)), str(info.value)
+
+
+def test_directory_is_named(tmp_path):
+    with pytest.raises(TopologyError, match=re.escape(str(tmp_path))):
+        Topology.load(tmp_path)
+
+
+def test_save_refuses_a_symlink_and_replaces_a_file(tmp_path):
+    import os
+
+    (tmp_path / "real.json").write_text("keep\n")
+    (tmp_path / "link.json").symlink_to("real.json")
+    with pytest.raises(TopologyError, match="symbolic link"):
+        load_preset("dgx-h100").save(tmp_path / "link.json")
+    assert os.readlink(tmp_path / "link.json") == "real.json" and (tmp_path / "real.json").read_text() == "keep\n"
+    load_preset("dgx-h100").save(tmp_path / "real.json")
+    assert Topology.load(tmp_path / "real.json").name == "dgx-h100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
