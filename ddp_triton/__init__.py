@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "triton_hook": "ddp_triton.hook",
     "register": "ddp_triton.hook",
+    "reattach": "ddp_triton.hook",
     "CommState": "ddp_triton.state",
     "ddp_kwargs": "ddp_triton.profile",
 }

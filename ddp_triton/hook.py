@@ -9,6 +9,10 @@ Per bucket: one kernel scales by 1/world_size in float32 and rounds once to the 
 and, on the all-reduce's completion, one kernel casts back into DDP's bucket buffer (with
 ``gradient_as_bucket_view=True`` that is the gradients' own storage). Buffers and launches are bound once per
 bucket and reused; nothing on this path synchronises with the host or loops over parameters.
+
+Under ``torch.compile`` with compiled autograd and ``torch._dynamo.config.optimize_ddp = "python_reducer"``, DDP
+calls the hook once per parameter with ``(param.grad, param)`` and traces it; that call averages the gradient in
+place with plain torch ops and a functional all-reduce, to the same bits (see ``average_grad``).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations with
@@ -18,14 +22,18 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .state import CommState, default_state
+from .kernels import SUPPORTED_DTYPES
+from .state import CommState, default_state, split_average
 
 
 def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over the state's process group, sending it in ``state.comm_dtype``.
 
     ``state`` is a CommState, or, as with torch's own hooks, None (the default group) or a process group.
+    ``bucket`` may also be the ``(grad, param)`` pair DDP's Python reducer passes (see ``average_grad``).
     """
+    if isinstance(bucket, tuple):
+        return average_grad(state, bucket[0])
     if not isinstance(state, CommState):
         state = default_state(state)
     buffer = bucket.buffer()
@@ -56,6 +64,63 @@ def then_unpack(
     return reduced.then(finish)
 
 
+def average_grad(state: Any, grad: torch.Tensor) -> Any:
+    """Average one parameter's gradient in place: the call DDP's Python reducer makes under compiled autograd.
+
+    That call is traced into the backward graph, so no bound launches or state built on first use: the group and
+    comm dtype come from the state's settings (a None or process-group state: bfloat16, as in ``triton_hook``), and
+    plain torch ops give the kernels' numerics: scale in float32, one rounding to the comm dtype, sum through
+    torch's functional all-reduce (what torch's compress hooks use there), scale back in float32 and round once
+    into the gradient. Same bits as the bucket path on the same gradient (a NaN stays NaN, its payload is not
+    made canonical; summation order within the all-reduce is the backend's). Where the bucket path leaves the
+    average to NCCL (float32 buckets sent as float32), this path scales and sums instead, which is how NCCL
+    averages. The per-size algorithm groups of a profile are not used: every gradient goes to the state's group,
+    where Inductor may bucket the all-reduces.
+
+    Returns the gradient while being traced, as torch's hooks do; called eagerly, a completed future of it.
+    """
+    if isinstance(state, CommState):
+        group, comm_dtype = state.averaging_group(), state.comm_dtype
+    else:
+        group, comm_dtype = (state if state is not None else dist.group.WORLD), torch.bfloat16
+    if grad.layout != torch.strided:
+        raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton_hook got a gradient of dtype {grad.dtype}; supported are float32, bfloat16 and "
+                        "float16")
+    from torch.distributed import _functional_collectives as fcol
+
+    pre, post = split_average(group.size(), comm_dtype)
+    summed = fcol.all_reduce((grad.float() * pre).to(comm_dtype), "sum", group)
+    grad.copy_(summed if post == 1.0 else summed.float() * post)
+    if torch.compiler.is_compiling():
+        return grad
+    done = torch.futures.Future()
+    done.set_result(grad)
+    return done
+
+
+def reattach(ddp_model: torch.nn.parallel.DistributedDataParallel) -> Any:
+    """Register ``triton_hook`` again, with the state it carried, on a DDP model that was unpickled.
+
+    torch rebuilds DDP's reducer when a model is unpickled (``torch.load`` of a whole model, ``copy.deepcopy``)
+    and does not register the model's comm hooks on the new one, ours and torch's alike: without this call the
+    restored model trains with DDP's default float32 all-reduce. Call on every rank; returns the state.
+    """
+    carried = [entry for entry in getattr(ddp_model, "_comm_hooks", ()) if entry[0] is triton_hook]
+    if not carried:
+        raise ValueError("this model carries no triton_hook; register one with ddp_triton.register")
+    before = list(ddp_model._comm_hooks)
+    entry = carried[-1]
+    ddp_model._comm_hooks.remove(entry)  # register_comm_hook records it again
+    try:
+        ddp_model.register_comm_hook(entry[1], triton_hook)
+    except Exception:  # e.g. the reducer still has its hook (torch allows one): leave the model as it was
+        ddp_model._comm_hooks[:] = before
+        raise
+    return entry[1]
+
+
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_options: Any) -> CommState:
     """Build a CommState (``state_options`` as its fields) and register ``triton_hook`` on ``ddp_model``.
 
@@ -64,8 +129,6 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_optio
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    from .kernels import SUPPORTED_DTYPES
-
     for name, param in ddp_model.module.named_parameters():
         if param.requires_grad and param.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"parameter {name} has dtype {param.dtype}; triton_hook supports float32, bfloat16 "

@@ -5,6 +5,10 @@ the autotuned per-size choice of NCCL algorithm (one process group per algorithm
 communication buffer and the bound pack/unpack launches. Memory held: one comm-dtype copy of each bucket (half the
 gradients' bytes for float32 gradients sent as bfloat16), nothing when the comm dtype equals the bucket dtype,
 which is sent in place.
+
+A state pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its settings alone, the way torch's
+PowerSGDState does: the process group, the resolved profile, the algorithm groups, buffers and launches stay behind,
+and the restored state binds again, to the default group unless given another, at its first bucket.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class BucketComm:
     """The state's backward-pass count when this entry was last used (stale entries are dropped)."""
 
 
+# Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
+_PICKLE_VERSION = 1
+
 # Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
 # buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
 _STALE_AFTER = 4
@@ -90,10 +97,12 @@ class CommState:
     """Dtype on the wire: bfloat16, float16 or float32."""
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
-    own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's)."""
+    own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's).
+    Once the state is bound, the Profile it follows (or None); a pickled state keeps the argument as given."""
     device: Optional[torch.device] = None
     """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
-    current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works."""
+    current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works.
+    A state restored from a pickle uses its first bucket's."""
     buckets: Dict[tuple, BucketComm] = field(default_factory=dict, init=False, repr=False)
     """Per DDP bucket buffer (address, size, dtype): its communication buffer and bound launches."""
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -103,7 +112,18 @@ class CommState:
             raise RuntimeError("CommState needs torch.distributed to be initialised (init_process_group) first")
         if self.comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {self.comm_dtype}")
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        self._profile_spec = self.profile  # as given: what a pickled state keeps and resolves again
+        self._needs_group = False
+        self._passes = 0
+        self._attach()
+
+    def _attach(self) -> None:
+        """Bind to the process group and resolve the profile: at construction, or at a restored state's first bucket.
+
+        Collective (the profile agreement, algorithm groups): every rank gets here at the same point, which for a
+        restored state is its first bucket, reached by every rank in the same order as DDP's backward.
+        """
+        group = self.averaging_group()
         if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
         self.group = group
@@ -112,8 +132,46 @@ class CommState:
         # "nccl", or a mixed "cpu:gloo,cuda:nccl"; CUDA buckets then go through NCCL.
         self.backend = "nccl" if "nccl" in backend else backend
         self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
+        self.profile = self._setup_profile(self._profile_spec)
+        self._attached = True
+
+    def averaging_group(self) -> Any:
+        """The group gradients are averaged over: ``process_group``, or the default group when it is None.
+
+        A state restored from one saved on another group has no group until given one (``state.process_group =
+        group`` before its first bucket), rather than averaging over the wrong ranks.
+        """
+        if self.process_group is not None:
+            return self.process_group
+        if self._needs_group:
+            raise ValueError("this CommState was saved while bound to a process group other than the default one; "
+                             "set state.process_group to the group to average over before its first bucket")
+        return dist.group.WORLD
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The settings, with the profile argument as given. No process group, resolved profile, algorithm groups,
+        buffers or launches: they belong to this process's communicators and memory."""
+        if self.process_group is None:
+            on_default = not self._needs_group
+        else:
+            on_default = dist.is_initialized() and self.process_group == dist.group.WORLD
+        return {"version": _PICKLE_VERSION, "comm_dtype": self.comm_dtype, "profile": self._profile_spec,
+                "on_default_group": on_default}
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        """A state that binds at its first bucket: to the default group, or to ``process_group`` if set before."""
+        version = saved.get("version")
+        if not isinstance(version, int) or version > _PICKLE_VERSION:
+            raise ValueError(f"a CommState saved in format {version!r}; this ddp-triton reads up to {_PICKLE_VERSION}")
+        self.process_group = None
+        self.comm_dtype = saved["comm_dtype"]
+        self.profile = self._profile_spec = saved["profile"]
+        self.device = None  # the saving rank's device means nothing here; the first bucket's is used
+        self.buckets = {}
+        self.algorithm_groups = {}
+        self._needs_group = not saved["on_default_group"]
         self._passes = 0
-        self.profile = self._setup_profile(self.profile)
+        self._attached = False
 
     def _setup_profile(self, spec: ProfileSpec) -> Any:
         from .algo_groups import check_profile_agreement, make_algorithm_groups
@@ -177,6 +235,9 @@ class CommState:
             raise TypeError(
                 f"triton_hook got a bucket of dtype {buffer.dtype}; supported are float32, bfloat16 and float16"
             )
+        if not self._attached:  # restored from a pickle: binds here, off the per-step path (a new bucket)
+            self.device = buffer.device if buffer.is_cuda else None
+            self._attach()
         group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
         in_place = self.comm_dtype == buffer.dtype
         if collective_averages(self.backend, buffer.is_cuda, self.comm_dtype, buffer.dtype, algorithm):
