@@ -3,24 +3,32 @@
 ``pack`` flattens a list of tensors into one buffer, scaling and casting on the way (the step before an
 all-reduce); ``unpack`` is the way back. Both take one pass over the data whatever the number of tensors: one launch
 on CUDA, the same kernel in Triton's interpreter for CPU tensors when ``TRITON_INTERPRET=1``, and otherwise the torch
-path for CPU tensors, all with the same bits. ``bind_pack``/``bind_unpack`` check and plan once and return a launch
-to replay, for callers (the DDP hook) that repeat the same layout every step.
+path for CPU tensors, all with the same bits. A plain call checks its inputs once per layout (``layouts.py``): a
+repeat call with the same tensors goes straight to the launch. ``bind_pack``/``bind_unpack`` check and plan once and
+return a launch to replay, for callers (the DDP hook) that repeat the same layout every step.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _triton, torch_path
 from .convert import OUT_BF16, OUT_FP16, OUT_FP32
-from .launch import ONE_SHOT, BoundLaunch, kernel_arguments
+from .launch import ONE_SHOT, BoundLaunch, _bind_direct, kernel_arguments, launch_hooks_installed
+from .layouts import LayoutCache, signature
 from .validation import check_flat, check_overlap, check_scale, check_tensor_list
-from .worklist import PLANS
+from .worklist import PLANS, Plan
 
 _OUT_KIND = {torch.bfloat16: OUT_BF16, torch.float16: OUT_FP16, torch.float32: OUT_FP32}
 _BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+Layout = Callable[[Sequence[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], None]
+"""A checked plain call, replayed as ``layout(tensors, flat, stats)`` for any call with the same signature (``out``
+is the flat side of a pack). It holds no tensor of the caller's: each call passes its own."""
+
+LAYOUTS = LayoutCache()
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -41,54 +49,99 @@ def _check_stats(stats: Optional[torch.Tensor], device: torch.device) -> None:
         raise ValueError("stats must be contiguous")
 
 
-def _launcher(plan, args: tuple, tensors, bind: bool) -> Callable[[], None]:
-    """A bound launch (kept tensors, direct launcher) for ``bind_*``; for a plain call, the shared one-shot cache
-    (which holds no tensors)."""
-    if bind:
-        return BoundLaunch(plan, *args, keepalive=tensors)
-    return lambda: ONE_SHOT(plan, *args)
-
-
-def _prepare_pack(tensors, out, scale, bind: bool) -> Callable[[], None]:
+def _check_pack(tensors, out, scale) -> Tuple[List[torch.Tensor], float, bool]:
+    """(tensors as a list, scale as a float, whether there is nothing to do) after every check of a pack."""
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
     check_flat(out, "out", sum(t.numel() for t in tensors), tensors)
     in_place = check_overlap(tensors, out, "out", tensors_written=False)
-    if (in_place and scale == 1.0) or out.numel() == 0:
-        return lambda: None
-    if not uses_triton(out.device):
-        return lambda: torch_path.pack(tensors, out, scale)
-    plan = PLANS.get(tensors, out, many_is_source=True)
-    dst = out.view(_BITS_DTYPE[out.dtype])
-    args = kernel_arguments(plan, tensors[plan.many_base], dst, scale, _OUT_KIND[out.dtype], None)
-    return _launcher(plan, args, tensors, bind)
+    return tensors, scale, (in_place and scale == 1.0) or out.numel() == 0
 
 
-def _prepare_unpack(flat, tensors, scale, stats, bind: bool) -> Callable[[], None]:
+def _check_unpack(flat, tensors, scale, stats) -> Tuple[List[torch.Tensor], float, bool]:
+    """As :func:`_check_pack`, for an unpack; with stats there is always something to do (zero them at least)."""
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
     check_flat(flat, "flat", sum(t.numel() for t in tensors), tensors)
     _check_stats(stats, flat.device)
     in_place = check_overlap(tensors, flat, "flat", tensors_written=True)
-    if (in_place and scale == 1.0 and stats is None) or flat.numel() == 0:
-        return stats.zero_ if stats is not None else (lambda: None)
+    return tensors, scale, (in_place and scale == 1.0 and stats is None) or flat.numel() == 0
+
+
+def _nothing_to_do(tensors, flat, stats) -> None:
+    if stats is not None:
+        stats.zero_()
+
+
+# ---- plain calls: a launch per layout that holds no tensors -------------------------------------------------------
+
+
+def _direct_launch(plan: Plan, kernel, args: tuple, constexprs: dict) -> Optional[Callable[[], None]]:
+    """The compiled kernel's direct launch for these argument values (no tensor kept: their addresses are baked in),
+    or None where Triton's launcher must be used: not CUDA, the interpreter, nothing to launch, or no direct launch."""
+    device = args[0].device
+    if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0:
+        return None
+    return _bind_direct(plan, kernel, args, constexprs, device)
+
+
+class _KernelLayout:
+    """A checked layout's kernel launch: the direct launch when there is one, else ONE_SHOT with each call's own
+    tensors (``arguments(tensors, flat, stats)`` gives a call's kernel, args and constexprs). With stats, the
+    per-block partial sums go to ``partials``, a buffer of the layout's own: two calls could only share it by
+    writing the same tensors at once, a race of the caller's."""
+
+    __slots__ = ("plan", "arguments", "partials", "direct")
+
+    def __init__(self, plan: Plan, arguments: Callable[..., tuple], first: tuple,
+                 partials: Optional[torch.Tensor] = None) -> None:
+        self.plan, self.arguments, self.partials = plan, arguments, partials
+        self.direct = _direct_launch(plan, *first)
+
+    def __call__(self, tensors, flat, stats) -> None:
+        if self.direct is not None and not launch_hooks_installed():  # a profiler sees only Triton's launcher
+            self.direct()
+        else:
+            ONE_SHOT(self.plan, *self.arguments(tensors, flat, stats))
+        if self.partials is not None:
+            torch.sum(self.partials, dim=0, out=stats)
+
+
+def _pack_layout(tensors, out, scale) -> Tuple[Layout, List[torch.Tensor]]:
+    """Check a plain pack and prepare its launch; also the tensors as the checked list."""
+    tensors, scale, nothing = _check_pack(tensors, out, scale)
+    if nothing:
+        return _nothing_to_do, tensors
+    if not uses_triton(out.device):
+        return (lambda ts, flat, stats: torch_path.pack(ts, flat, scale)), tensors
+    plan = PLANS.get(tensors, out, many_is_source=True)
+    kind, bits = _OUT_KIND[out.dtype], _BITS_DTYPE[out.dtype]
+
+    def arguments(ts, flat, stats) -> tuple:
+        return kernel_arguments(plan, ts[plan.many_base], flat.view(bits), scale, kind, None)
+
+    return _KernelLayout(plan, arguments, arguments(tensors, out, None)), tensors
+
+
+def _unpack_layout(flat, tensors, scale, stats) -> Tuple[Layout, List[torch.Tensor]]:
+    """Check a plain unpack and prepare its launch; also the tensors as the checked list."""
+    tensors, scale, nothing = _check_unpack(flat, tensors, scale, stats)
+    if nothing:
+        return _nothing_to_do, tensors
     if not uses_triton(flat.device):
-        return lambda: torch_path.unpack(flat, tensors, scale, stats)
+        return (lambda ts, fl, st: torch_path.unpack(fl, ts, scale, st)), tensors
     plan = PLANS.get(tensors, flat, many_is_source=False)
     base = tensors[plan.many_base]
-    dst = base.view(_BITS_DTYPE[base.dtype])
-    if stats is None:
-        return _launcher(plan, kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None), tensors, bind)
+    kind, bits = _OUT_KIND[base.dtype], _BITS_DTYPE[base.dtype]
+    partials = None if stats is None else torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
 
-    partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
-    args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials)
-    kernel_launch = _launcher(plan, args, tensors, bind)
+    def arguments(ts, fl, st) -> tuple:
+        return kernel_arguments(plan, fl, ts[plan.many_base].view(bits), scale, kind, partials)
 
-    def run_with_stats() -> None:
-        kernel_launch()
-        torch.sum(partials, dim=0, out=stats)
+    return _KernelLayout(plan, arguments, arguments(tensors, flat, stats), partials), tensors
 
-    return run_with_stats
+
+# ---- public API ---------------------------------------------------------------------------------------------------
 
 
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -100,7 +153,13 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0)
     three dtypes. ``out`` may be the very same memory as the tensors (in-place scaling); any other overlap is refused.
     Returns ``out``.
     """
-    _prepare_pack(tensors, out, scale, bind=False)()
+    sig = signature("pack", tensors, out, scale)
+    layout = LAYOUTS.get(sig) if sig is not None else None
+    if layout is None:
+        layout, tensors = _pack_layout(tensors, out, scale)
+        if sig is not None:
+            LAYOUTS.put(sig, layout)
+    layout(tensors, out, None)
     return out
 
 
@@ -117,7 +176,15 @@ def unpack(
     also writes into it the sum of squares of the values stored and the number of non-finite ones (for a gradient
     norm and an overflow check without reading the gradients again); no host synchronisation either way.
     """
-    _prepare_unpack(flat, tensors, scale, stats, bind=False)()
+    sig = signature("unpack" if stats is None else "unpack+stats", tensors, flat, scale)
+    layout = LAYOUTS.get(sig) if sig is not None else None
+    if layout is None:
+        layout, tensors = _unpack_layout(flat, tensors, scale, stats)
+        if sig is not None:
+            LAYOUTS.put(sig, layout)
+    elif stats is not None:
+        _check_stats(stats, flat.device)  # not part of the layout: a stats tensor is checked at every call
+    layout(tensors, flat, stats)
 
 
 def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> Callable[[], None]:
@@ -125,7 +192,15 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float =
 
     The callable keeps references to the tensors. Rebind when any tensor is reallocated.
     """
-    return _prepare_pack(tensors, out, scale, bind=True)
+    tensors, scale, nothing = _check_pack(tensors, out, scale)
+    if nothing:
+        return lambda: None
+    if not uses_triton(out.device):
+        return lambda: torch_path.pack(tensors, out, scale)
+    plan = PLANS.get(tensors, out, many_is_source=True)
+    args = kernel_arguments(plan, tensors[plan.many_base], out.view(_BITS_DTYPE[out.dtype]), scale,
+                            _OUT_KIND[out.dtype], None)
+    return BoundLaunch(plan, *args, keepalive=tensors)
 
 
 def bind_unpack(
@@ -136,4 +211,24 @@ def bind_unpack(
     stats: Optional[torch.Tensor] = None,
 ) -> Callable[[], None]:
     """Check and plan :func:`unpack` once; the returned callable repeats it (see :func:`bind_pack`)."""
-    return _prepare_unpack(flat, tensors, scale, stats, bind=True)
+    tensors, scale, nothing = _check_unpack(flat, tensors, scale, stats)
+    if nothing:
+        return stats.zero_ if stats is not None else (lambda: None)
+    if not uses_triton(flat.device):
+        return lambda: torch_path.unpack(flat, tensors, scale, stats)
+    plan = PLANS.get(tensors, flat, many_is_source=False)
+    base = tensors[plan.many_base]
+    dst = base.view(_BITS_DTYPE[base.dtype])
+    if stats is None:
+        args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
+        return BoundLaunch(plan, *args, keepalive=tensors)
+
+    partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
+    kernel_launch = BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials),
+                                keepalive=tensors)
+
+    def run_with_stats() -> None:
+        kernel_launch()
+        torch.sum(partials, dim=0, out=stats)
+
+    return run_with_stats

@@ -45,3 +45,16 @@ def test_kernels_benchmark_says_so_without_a_gpu():
     out = subprocess.run([sys.executable, "-m", "bench.kernels"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "no CUDA device" in out.stdout
+
+
+def test_host_benchmark_smoke():
+    import torch
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-m", "bench.host", "--json", "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(out.stdout)
+    for key in ("pack_1", "pack_148", "bound", "unpack_148", "unpack_stats_148", "hook_bucket"):
+        assert data[f"{key}_ratio"] > 0 and data[f"{key}_us"] > 0, key
+    assert data["torch_op_us"] > 0 and data["env"]["torch"] == torch.__version__

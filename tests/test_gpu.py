@@ -16,6 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from bits import assert_same_bits, reference_pack
 from ddp_triton.kernels import bind_pack, bind_unpack, launch, pack, unpack
+from ddp_triton.kernels.layouts import signature
+from ddp_triton.kernels.pack import LAYOUTS
 from test_kernels import DTYPE_IDS, DTYPES, EDGE_FLOAT32, random_bit_patterns
 
 pytestmark = pytest.mark.gpu
@@ -83,12 +85,13 @@ def test_plain_pack_reuses_its_direct_launch():
     grads = [torch.randn(n, device="cuda") for n in (4096, 300)]
     out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
     pack(grads, out, 0.5)
-    entries = len(launch.ONE_SHOT._entries)
-    assert entries >= 1, "plain pack() did not take the direct launch"
+    layout = LAYOUTS.get(signature("pack", grads, out, 0.5))
+    assert layout is not None and layout.direct is not None, "plain pack() did not take the direct launch"
+    entries = len(LAYOUTS)
     for g in grads:
         g.mul_(3)
     pack(grads, out, 0.5)  # same memory and layout: the cached direct launch, no new entry
-    assert len(launch.ONE_SHOT._entries) == entries
+    assert len(LAYOUTS) == entries and LAYOUTS.get(signature("pack", grads, out, 0.5)) is layout
     assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.5))
 
 
@@ -133,7 +136,8 @@ def test_more_than_2_to_the_31_elements_on_cuda():
     src[-1000:] = 3.0
     out = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
     pack([src], out, 0.5)
-    assert out[-1].item() == 1.5 and out[0].item() == 0.5 and out[2**31].item() == 0.5
+    # src[-1000:] starts at index 2**31: the last element below it keeps 0.5, from 2**31 on it is 1.5
+    assert out[0].item() == 0.5 and out[2**31 - 1].item() == 0.5 and out[2**31].item() == 1.5 and out[-1].item() == 1.5
     del src, out
     torch.cuda.empty_cache()
 

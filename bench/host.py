@@ -1,0 +1,216 @@
+"""Host cost of pack / unpack, of a bound launch and of the hook's per-bucket front end, on any CPU.
+
+    python -m bench.host              # the table, with each row's ratio to one torch op timed in the same run
+    python -m bench.host --json       # one JSON object: microseconds, ratios, targets and the environment
+    python -m bench.host --quick      # fewer calls and rounds (smoke run)
+
+Timed: the whole Python path of each call as it runs on CUDA: the layout signature and cache lookup (or, on a
+layout's first call, the checks, the plan lookup and the argument building), the launch object's ``__call__`` and
+the direct launcher's call. Stubbed, and only this: the final call into Triton's compiled launcher (``run``, a C
+function that parses its arguments and calls cuLaunchKernel) is a Python function that returns at once, and the two
+getters the direct launch calls per launch (torch's current CUDA device and raw stream, C functions of its CUDA
+build) are C builtins that return 0. To take the CUDA path without a GPU, ``uses_triton`` answers True for CPU
+tensors, and the direct launch that a plain call binds (``pack._direct_launch``) or that a bound launch holds
+(``BoundLaunch._direct``) is a real ``_DirectLaunch`` built around those stubs instead of a compiled kernel. The
+first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top.
+
+Ratios are to torch's host cost for one elementwise op on a small CPU tensor (``torch.mul(src, 0.125, out=dst)``,
+1024 float32), measured in the same run and interleaved with the rows, round by round (the fastest round of each
+counts), so that they carry over between machines. Targets (issue 8): a plain pack of one tensor at most 2x, of
+GPT-2's 148 tensors at most 6x, a bound launch at most 1x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from unittest import mock
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, format_table, host_us_per_call, save_json  # noqa: E402
+from bench.kernels import gpt2_small_shapes  # noqa: E402
+
+pack_module = importlib.import_module("ddp_triton.kernels.pack")  # the module: the package exports a function `pack`
+launch_module = importlib.import_module("ddp_triton.kernels.launch")
+
+CPU = torch.device("cpu")
+TARGETS = {"pack_1": 2.0, "pack_148": 6.0, "bound": 1.0}
+SCALE = 0.125
+STUBBED = ("Triton's compiled launcher (a no-op Python function) and torch's current CUDA device and stream getters "
+           "(C builtins returning 0); CPU tensors take the CUDA path (uses_triton patched to True)")
+
+
+def _no_launch(*args: Any) -> None:
+    """Stands for Triton's compiled launcher: same arguments, no argument parsing, no driver call."""
+
+
+def stub_direct_launch(plan: Any, kernel: Any, args: tuple, constexprs: dict) -> Any:
+    """A real ``_DirectLaunch`` for these arguments around the stubs (see the module docstring)."""
+    values = launch_module._launcher_values(kernel, args, constexprs)
+    direct = launch_module._DirectLaunch(None, _no_launch, 0, None, plan.n_items, 0, values)
+    direct.current_device, direct.current_stream = int, abs  # C builtins: int() == 0 == index, abs(0) == 0
+    return direct
+
+
+def stub_bound(bound: Any) -> Any:
+    """Give a bound launch of CPU tensors the direct launch it would hold on CUDA."""
+    bound._direct = stub_direct_launch(bound._plan, bound._kernel, bound._args, bound._constexprs)
+    bound._bind_later = False
+    return bound
+
+
+@contextlib.contextmanager
+def cuda_like_path() -> Iterator[None]:
+    """CPU tensors take the Triton path down to the stubbed launcher; layouts cached before are forgotten."""
+    with mock.patch.object(pack_module, "uses_triton", lambda device: True), \
+            mock.patch.object(pack_module, "_direct_launch", stub_direct_launch):
+        pack_module.LAYOUTS.clear()
+        try:
+            yield
+        finally:
+            pack_module.LAYOUTS.clear()
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[bool]:
+    """A 1-rank gloo process group on a FileStore (yields False where torch.distributed is missing)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield False
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield True
+        finally:
+            dist.destroy_process_group()
+
+
+def _gradients() -> List[torch.Tensor]:
+    """GPT-2 small's 148 parameter shapes, narrowed: sizes matter only to the plan, which is built once."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen) for s in gpt2_small_shapes(hidden=64, vocab=1000, context=64)]
+
+
+def _first_call(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` as a layout's first call: the layout cache is emptied before each."""
+    def run() -> None:
+        pack_module.LAYOUTS.clear()
+        fn()
+    return run
+
+
+def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable[[], Any], int]]:
+    """(key, what, call, calls per round) of every row; the first is the torch baseline."""
+    from ddp_triton.kernels import bind_pack, pack, unpack
+
+    src, dst = torch.randn(1024), torch.empty(1024)
+    one_out = torch.empty(1024, dtype=torch.bfloat16)
+    grads = _gradients()
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16)
+    stats = torch.zeros(2)
+    bound = stub_bound(bind_pack([src], one_out, SCALE))
+    rows = [
+        ("torch_op", "torch.mul(src, 0.125, out=dst), 1024 float32 (baseline)",
+         lambda: torch.mul(src, SCALE, out=dst), 2000),
+        ("pack_1", "pack, 1 tensor of 1024, repeat call", lambda: pack([src], one_out, SCALE), 2000),
+        ("pack_148", "pack, GPT-2's 148 tensors, repeat call", lambda: pack(grads, flat, SCALE), 300),
+        ("unpack_148", "unpack, 148 tensors, repeat call", lambda: unpack(flat, grads, 8.0), 300),
+        ("unpack_stats_148", "unpack with stats, 148 tensors, repeat call",
+         lambda: unpack(flat, grads, 8.0, stats=stats), 300),
+        ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
+    ]
+    if hook_fn is not None:
+        rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
+    return rows + [
+        ("pack_1_first", "pack, 1 tensor, a layout's first call", _first_call(lambda: pack([src], one_out, SCALE)),
+         500),
+        ("pack_148_first", "pack, 148 tensors, a layout's first call", _first_call(lambda: pack(grads, flat, SCALE)),
+         20),
+    ]
+
+
+def hook_front_end() -> Callable[[], Any]:
+    """The per-bucket work of ``triton_hook`` before the all-reduce: the bucket's entry, then its bound pack."""
+    from ddp_triton.state import CommState
+
+    state = CommState(profile=None)  # bfloat16 on the wire: a pack kernel per bucket
+    buffer = torch.randn(1 << 16)
+    entry = state.bucket_comm(buffer)
+    stub_bound(entry.pack)
+    stub_bound(entry.unpack)
+    return lambda: state.bucket_comm(buffer).pack()
+
+
+def measure(rows: List[Tuple[str, str, Callable[[], Any], int]], rounds: int, scale_calls: float) -> Dict[str, float]:
+    """Fastest round's host microseconds per call of every row, rows interleaved round by round."""
+    best: Dict[str, float] = {}
+    for _ in range(rounds):
+        for key, _what, fn, calls in rows:
+            n = max(3, int(calls * scale_calls))
+            us = host_us_per_call(fn, CPU, calls=n, warmup=max(1, n // 10))
+            best[key] = min(us, best.get(key, float("inf")))
+    return best
+
+
+def run(quick: bool) -> Dict[str, Any]:
+    """Every row's microseconds and ratio to the torch op, with the targets and the environment."""
+    rounds, scale_calls = (2, 0.05) if quick else (7, 1.0)
+    with cuda_like_path(), one_rank_group() as have_group:
+        rows = cases(hook_front_end() if have_group else None)
+        best = measure(rows, rounds, scale_calls)
+    base = best["torch_op"]
+    result: Dict[str, Any] = {"torch_op_us": base, "baseline": rows[0][1], "stubbed": STUBBED}
+    for key, _what, _fn, _calls in rows[1:]:
+        result[f"{key}_us"] = best[key]
+        result[f"{key}_ratio"] = best[key] / base
+    result["rows"] = [{"key": k, "what": w, "us": best[k], "ratio": best[k] / base} for k, w, _f, _c in rows]
+    result["targets"] = {f"{k}_ratio": v for k, v in TARGETS.items()}
+    result["rounds"], result["quick"] = rounds, quick
+    result["env"] = environment(CPU)
+    return result
+
+
+def table(result: Dict[str, Any]) -> str:
+    """The rows with their ratio, target and whether they meet it."""
+    lines = []
+    for row in result["rows"]:
+        target = TARGETS.get(row["key"])
+        meets = None if target is None else ("yes" if row["ratio"] <= target else "NO")
+        lines.append([row["what"], row["us"], row["ratio"], target, meets])
+    return format_table(["call", "host us/call", "x torch op", "target", "meets"], lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="host cost of pack/unpack, a bound launch and the hook's front end, "
+                                            "as ratios to one torch op (CPU; the launcher is stubbed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--quick", action="store_true", help="fewer calls and rounds (smoke run; noisy numbers)")
+    p.add_argument("--out-dir", default=None, help="also save the JSON there")
+    args = p.parse_args(argv)
+
+    result = run(args.quick)
+    if args.out_dir is not None:
+        save_json("host", result, args.out_dir)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{result['env']}\n")
+        print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
