@@ -6,8 +6,9 @@
 
 Model: 12 blocks of Linear(1024, 4096) - GELU - Linear(4096, 1024), 100.7M parameters, batch 64, SGD. Each
 variant (no hook, torch's allreduce_hook and bf16_compress_hook, triton_hook in bfloat16 and float32) runs with
-``gradient_as_bucket_view`` off and on, on a fresh copy of the model, and is timed per step after warm-up (the
-step is synchronised, so the time includes the all-reduces). At world size 1 the all-reduce is nearly free and the
+``gradient_as_bucket_view`` off and on, on its own copy of the model, and is timed per step after warm-up (the
+step is synchronised, so the time includes the all-reduces); the variants take turns in rounds, so that a slow
+patch of the machine does not land on one of them. At world size 1 the all-reduce is nearly free and the
 differences are the hooks' own cost. torch refuses bf16_compress_hook outside NCCL, so on gloo it is skipped.
 """
 
@@ -105,7 +106,8 @@ def time_steps(ddp: DDP, x: torch.Tensor, steps: int, warmup: int, device: torch
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="DDP step time under each communication hook")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100, help="timed steps per variant, over all rounds")
+    p.add_argument("--rounds", type=int, default=5, help="the variants take turns this many times")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--small", action="store_true", help="width 128, 2 blocks: a CPU smoke run")
@@ -132,6 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     notes = []
     for gabv in (False, True):
+        models = []
         for variant in args.variants.split(","):
             if variant == "bf16_compress_hook" and backend != "nccl":
                 notes.append(f"bf16_compress_hook skipped: torch allows it on NCCL only (backend {backend})")
@@ -139,12 +142,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             ddp = DDP(copy.deepcopy(base), device_ids=[device.index] if device.type == "cuda" else None,
                       gradient_as_bucket_view=gabv)
             register(ddp, variant)
-            times = time_steps(ddp, x, args.steps, args.warmup, device)
+            models.append((variant, ddp, []))
+        # Rounds, each variant in turn: a slow patch of the machine (clocks, another tenant) hits them all alike.
+        for round_ in range(args.rounds):
+            for _, ddp, times in models:
+                times += time_steps(ddp, x, max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2,
+                                    device)
+        for variant, _, times in models:
             rows.append({"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
                          "min_ms": min(times), "steps": len(times)})
-            del ddp
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        del models
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     baseline = {r["gradient_as_bucket_view"]: r["median_ms"] for r in rows if r["variant"] == "no_hook"}
     for r in rows:

@@ -69,7 +69,7 @@ step install 60 5 python3 -m pip install -q --no-deps --no-build-isolation -e . 
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$work/gpu.txt"
 
-step kernels 210 60 python3 -m bench.kernels --out-dir "$work"
+step kernels 210 90 python3 -m bench.kernels --sweep --out-dir "$work"
 
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)

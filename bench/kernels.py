@@ -91,15 +91,67 @@ def _bucket_case(device: torch.device, mb: float, ceiling: float, compile_: bool
         ("unpack", ours_unpack, lambda: buf.copy_(comm), (lambda: compiled_post(comm)) if compiled_post else None),
     ]
     rows = []
+    graph = device.type == "cuda"
     for op, ours, theirs, compiled in cases:
         ours_us = bench_us(ours, device)
         torch_us = bench_us(theirs, device)
         compiled_us = bench_us(compiled, device) if compiled else None
-        rows.append({
+        row = {
             "mb": mb, "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "ours_gbps": nbytes / ours_us / 1e3,
             "ours_of_ceiling": floor_us / ours_us, "ours_over_torch": ours_us / torch_us, "bitexact": exact[op],
-        })
+        }
+        if graph:  # GPU time alone: every column replayed from a CUDA graph, no launch overhead in any of them
+            row.update(ours_graph_us=graph_us(ours, device), torch_graph_us=graph_us(theirs, device),
+                       compiled_graph_us=graph_us(compiled, device))
+            row.update(graph_ours_over_torch=_ratio(row["ours_graph_us"], row["torch_graph_us"]),
+                       graph_ours_over_compiled=_ratio(row["ours_graph_us"], row["compiled_graph_us"]),
+                       graph_ours_of_ceiling=_ratio(floor_us, row["ours_graph_us"]) or 0.0)
+        rows.append(row)
+    return rows
+
+
+def graph_us(fn: Optional[Callable], device: torch.device) -> Optional[float]:
+    """GPU microseconds per call from CUDA graph replays, or None (with the reason printed) where ``fn`` is absent or
+    cannot be captured."""
+    if fn is None:
+        return None
+    try:
+        return bench_us(fn, device, graph=True)
+    except Exception as exc:  # one column lost, not the run
+        print(f"graph timing failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def block_sweep_rows(device: torch.device, sizes_mb: List[float], ceiling: float) -> List[Dict[str, Any]]:
+    """GPU time of the contiguous kernel (the hook's) per (BLOCK, warps), pack and unpack, from CUDA graphs: what
+    ``worklist.launch_config`` should pick."""
+    from ddp_triton.kernels.launch import BoundLaunch, kernel_arguments
+    from ddp_triton.kernels.worklist import Plan
+
+    rows = []
+    for mb in sizes_mb:
+        n = int(mb * MiB) // 4
+        buf = torch.randn(n, device=device)
+        comm = torch.empty(n, dtype=torch.bfloat16, device=device)
+        floor_us = n * 6 / ceiling / 1e3
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                plan = Plan(None, -(-n // block), n, block, warps, 0)
+                pack_launch = BoundLaunch(plan, *kernel_arguments(plan, buf, comm.view(torch.int16), 1.0 / WORLD,
+                                                                  0, None))
+                unpack_launch = BoundLaunch(plan, *kernel_arguments(plan, comm, buf.view(torch.int32), 1.0, 2,
+                                                                    None))
+                for op, fn in (("pack", pack_launch), ("unpack", unpack_launch)):
+                    us = graph_us(fn, device)
+                    if us is None:
+                        continue
+                    rows.append({"mb": mb, "op": op, "block": block, "warps": warps, "graph_us": us,
+                                 "of_ceiling": floor_us / us})
     return rows
 
 
@@ -144,7 +196,10 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
         ours_us = bench_us(ours, device)
         torch_us = bench_us(theirs, device)
         compiled_us = bench_us(comp, device) if comp else None
+        graphs = ({"ours_graph_us": graph_us(ours, device), "torch_graph_us": graph_us(theirs, device),
+                   "compiled_graph_us": graph_us(comp, device)} if device.type == "cuda" else {})
         rows.append({
+            **graphs,
             "tensors": len(grads), "op": op, "elements": n, "bytes": nbytes, "ours_us": ours_us, "torch_us": torch_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
             "torch_over_ours": torch_us / ours_us,
@@ -216,6 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sizes-mb", default="1,4,25,100,400", help="bucket sizes in MiB, comma separated")
     p.add_argument("--quick", action="store_true", help="small sizes and a narrow GPT-2 (smoke run)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    p.add_argument("--sweep", action="store_true", help="also time BLOCK x warps of the contiguous kernel")
     p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default bench/out)")
     args = p.parse_args(argv)
@@ -235,6 +291,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     gradients = gradient_list_rows(device, shapes, ceiling, compile_)
     host = host_overhead_rows(device, shapes)
     graphs = graph_rows(device, 25.0 if not args.quick else 1.0) if device.type == "cuda" else []
+    sweep = block_sweep_rows(device, [25.0, 100.0], ceiling) if args.sweep and device.type == "cuda" else []
 
     bucket_table = format_table(
         ["MiB", "op", "ours us", "GB/s", "of ceiling", "torch us", "compiled us", "ours/torch", "bit-exact"],
@@ -245,18 +302,36 @@ def main(argv: Optional[List[str]] = None) -> int:
          "compiled/ours", "bit-exact"],
         [[r["tensors"], r["op"], r["ours_us"], r["floor_us"], r["ours_over_floor"], r["torch_us"],
           r["torch_over_ours"], r["compiled_us"], r["compiled_over_ours"], r["bitexact"]] for r in gradients])
+    gradient_gpu_table = format_table(
+        ["tensors", "op", "ours us", "ours/floor", "torch us", "compiled us"],
+        [[r["tensors"], r["op"], r["ours_graph_us"], _ratio(r["ours_graph_us"], r["floor_us"]), r["torch_graph_us"],
+          r["compiled_graph_us"]] for r in gradients if "ours_graph_us" in r])
+    gpu_time_table = format_table(
+        ["MiB", "op", "ours us", "of ceiling", "torch us", "compiled us", "ours/torch", "ours/compiled"],
+        [[r["mb"], r["op"], r["ours_graph_us"], f"{r['graph_ours_of_ceiling']:.0%}", r["torch_graph_us"],
+          r["compiled_graph_us"], r["graph_ours_over_torch"], r["graph_ours_over_compiled"]]
+         for r in buckets if "ours_graph_us" in r])
+    sweep_table = format_table(["MiB", "op", "BLOCK", "warps", "GPU us", "of ceiling"],
+                               [[r["mb"], r["op"], r["block"], r["warps"], r["graph_us"], f"{r['of_ceiling']:.0%}"]
+                                for r in sweep])
     host_table = format_table(["call", "host us/call"], [[r["call"], r["host_us"]] for r in host])
     graph_table = format_table(["MiB", "eager pack+unpack us", "graph replay us", "replay bit-exact"],
                                [[r["mb"], r["eager_pack_unpack_us"], r["graph_pack_unpack_us"], r["graph_bitexact"]]
                                 for r in graphs])
     path = save_json("kernels", {"env": env, "copy_ceiling_gbps": ceiling, "buckets": buckets,
-                                 "gradient_list": gradients, "host": host, "graph": graphs}, args.out_dir)
+                                 "gradient_list": gradients, "host": host, "graph": graphs, "sweep": sweep},
+                     args.out_dir)
     print(f"{env}\ncopy ceiling: {ceiling:.0f} GB/s\n")
-    print(bucket_table, "\n", gradient_table, "\n", host_table, "\n", graph_table, sep="\n")
+    print(bucket_table, "\nGPU time only (CUDA graph replays):", gpu_time_table, "\n", gradient_table,
+          "\nGPU time only (CUDA graph replays):", gradient_gpu_table, "\n", host_table, "\n", graph_table, "\n",
+          sweep_table, sep="\n")
     print(f"\nsaved {path}")
     if not args.no_results and device.type == "cuda":
         append_results("bench/kernels.py", env, [f"Copy ceiling {ceiling:.0f} GB/s.", bucket_table,
-                                                 gradient_table, host_table, graph_table])
+                                                 "GPU time only, every column replayed from a CUDA graph:",
+                                                 gpu_time_table, gradient_table, "GPU time only (CUDA graphs):",
+                                                 gradient_gpu_table, host_table, graph_table]
+                       + (["BLOCK x warps of the contiguous kernel (CUDA graphs):", sweep_table] if sweep else []))
     return 0
 
 
