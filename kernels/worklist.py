@@ -35,13 +35,16 @@ class Plan:
 def launch_config(total_elements: int, n_segments: int) -> Tuple[int, int]:
     """(BLOCK, num_warps) for a work list.
 
-    From the sweep on one H200 (shared/measurements/h200-2026-11-30-kernels2.json): many small tensors (GPT-2's 148
-    gradients) were fastest at 2048/4, one 100 MiB bucket at 2048/8, one 25 MiB bucket at 4096/4.
+    From the sweeps on one H200 (shared/measurements/h200-2026-11-30-kernels2.json, bench/RESULTS.md): many small
+    tensors (GPT-2's 148 gradients) were fastest at 2048/4, one 100 MiB bucket at 2048/8, one 25 MiB bucket at
+    4096/4. Below 4M elements 4096-element blocks leave most of 132 SMs idle (64 programs for 1 MiB).
     """
     if n_segments > 1 and total_elements < n_segments * (1 << 20):
         return 2048, 4
     if total_elements >= (16 << 20):
         return 2048, 8
+    if total_elements < (4 << 20):  # up to 16 MiB of float32: smaller blocks, so that every SM has work
+        return 1024, 4
     return 4096, 4
 
 
