@@ -4,8 +4,8 @@
     python -m bench.allreduce --backend gloo --nproc 2 -e 1M          # CPU processes, no GPU needed
 
 Each point: ``--warmup`` all-reduces, then ``--iters`` timed one by one (CUDA events on GPU); the slowest rank's
-median (``ddp_triton.measure.run_sweep``). ``algbw = bytes / time``, ``busbw = algbw * 2(n-1)/n`` (nccl-tests,
-doc/PERFORMANCE.md). Algorithms are forced per process group with NCCL_ALGO (``ddp_triton.algo_groups``).
+median (``ddp_triton.tune.sweep.run_sweep``). ``algbw = bytes / time``, ``busbw = algbw * 2(n-1)/n`` (nccl-tests,
+doc/PERFORMANCE.md). Algorithms are forced per process group with NCCL_ALGO (``ddp_triton.runtime.algo_groups``).
 
 Output: a table per (algorithm, dtype) with columns size, count, type, time, algbw, busbw and the model's busbw;
 ``--json`` saves rows, versions and GPUs; ``--plot`` draws busbw against size with the model dashed beside it
@@ -27,9 +27,14 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ddp_triton import cost_model as cm  # noqa: E402
-from ddp_triton.measure import format_rows, init_in_place, leave_process_group, run_sweep, spawn_local  # noqa: E402
-from ddp_triton.profile import now_iso  # noqa: E402
+from ddp_triton.cli.args import csv_list, nonneg_int, parse_size, positive_int  # noqa: E402
+from ddp_triton.dtypes import normalize_dtype  # noqa: E402
+from ddp_triton.machine import cost_model as cm  # noqa: E402
+from ddp_triton.machine.profile import now_iso  # noqa: E402
+from ddp_triton.machine.topology import TopologyError, apply_launch_env, load_topology  # noqa: E402
+from ddp_triton.tune.autotune import default_algorithms  # noqa: E402
+from ddp_triton.tune.processes import init_in_place, leave_process_group, spawn_local  # noqa: E402
+from ddp_triton.tune.sweep import format_rows, run_sweep  # noqa: E402
 
 
 def _bench_worker(config: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -39,8 +44,6 @@ def _bench_worker(config: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _topology(spec: Optional[str], world: int) -> Any:
-    from ddp_triton.topology import TopologyError, apply_launch_env, load_topology
-
     try:
         return apply_launch_env(load_topology(spec), world_size=world)
     except (TopologyError, ValueError) as e:
@@ -100,17 +103,15 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> bool:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    from ddp_triton.cli import _csv_list, _nonneg_int, _positive_int, parse_size
-
     p = argparse.ArgumentParser(prog="bench.allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("-b", "--min-bytes", type=parse_size, default=1 << 10, help="smallest size (1K)")
     p.add_argument("-e", "--max-bytes", type=parse_size, default=1 << 30, help="largest size (1G)")
-    p.add_argument("--algorithms", type=_csv_list, help="ring,tree,nvls,nvls_tree (default: what NCCL runs here)")
-    p.add_argument("--dtypes", type=_csv_list, default=["bfloat16", "float32"], help="dtypes (bfloat16,float32)")
-    p.add_argument("--warmup", type=_nonneg_int, default=5, help="warm-up all-reduces per point (5)")
-    p.add_argument("--iters", type=_positive_int, default=20, help="timed all-reduces per point (20)")
+    p.add_argument("--algorithms", type=csv_list, help="ring,tree,nvls,nvls_tree (default: what NCCL runs here)")
+    p.add_argument("--dtypes", type=csv_list, default=["bfloat16", "float32"], help="dtypes (bfloat16,float32)")
+    p.add_argument("--warmup", type=nonneg_int, default=5, help="warm-up all-reduces per point (5)")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed all-reduces per point (20)")
     p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl with GPUs, else gloo")
-    p.add_argument("--nproc", type=_positive_int, help="processes to spawn without torchrun (default: GPUs, or 1)")
+    p.add_argument("--nproc", type=positive_int, help="processes to spawn without torchrun (default: GPUs, or 1)")
     p.add_argument("--topology", help="preset or JSON file for the model column (default: NVML)")
     p.add_argument("--json", metavar="FILE", help="save rows, versions and GPUs as JSON")
     p.add_argument("--plot", metavar="FILE", help="save a busbw plot (PNG)")
@@ -119,8 +120,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    from ddp_triton.autotune import default_algorithms
-
     backend = args.backend or ("nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo")
     torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (
@@ -128,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     topo = _topology(args.topology, world)
     config = {"sizes": cm.default_sizes(args.min_bytes, args.max_bytes),
               "algorithms": args.algorithms or default_algorithms(topo, backend, args.dtypes[0]),
-              "dtypes": [cm.normalize_dtype(d) for d in args.dtypes], "warmup": args.warmup, "iters": args.iters,
+              "dtypes": [normalize_dtype(d) for d in args.dtypes], "warmup": args.warmup, "iters": args.iters,
               "progress": True}
     if torchrun or world == 1:
         created = init_in_place(backend)

@@ -59,11 +59,11 @@ import triton  # noqa: E402
 
 from bench.common import format_table  # noqa: E402
 from bench.kernels import gpt2_small_shapes  # noqa: E402
-from ddp_triton.kernels import _triton  # noqa: E402
+from ddp_triton.kernels import INTERPRETER, triton_version  # noqa: E402
+from ddp_triton.kernels.dtypes import BITS_DTYPE, OUT_KIND  # noqa: E402
 from ddp_triton.kernels.launch import kernel_arguments  # noqa: E402
-from ddp_triton.kernels.pack import _BITS_DTYPE, _OUT_KIND  # noqa: E402
 from ddp_triton.kernels.worklist import build_plan  # noqa: E402
-from ddp_triton.state import split_average  # noqa: E402
+from ddp_triton.runtime.state import split_average  # noqa: E402
 
 MiB = 1 << 20
 WORLD = 8  # the world size behind the scales; only whether a scale is 1.0 changes the code
@@ -137,15 +137,15 @@ def launch_of(variant: Variant) -> Tuple[Any, tuple, dict, int]:
     device = torch.device("cpu")
     if variant.op == "pack":
         plan = build_plan(tensors, flat, True, device)
-        dst = flat.view(_BITS_DTYPE[flat.dtype])
-        kernel, args, constexprs = kernel_arguments(plan, tensors[plan.many_base], dst, pre, _OUT_KIND[flat.dtype],
+        dst = flat.view(BITS_DTYPE[flat.dtype])
+        kernel, args, constexprs = kernel_arguments(plan, tensors[plan.many_base], dst, pre, OUT_KIND[flat.dtype],
                                                     None)
     else:
         plan = build_plan(tensors, flat, False, device)
         base = tensors[plan.many_base]
         stats = torch.empty((plan.n_items, 2)) if variant.stats else None
-        kernel, args, constexprs = kernel_arguments(plan, flat, base.view(_BITS_DTYPE[base.dtype]), post,
-                                                    _OUT_KIND[base.dtype], stats)
+        kernel, args, constexprs = kernel_arguments(plan, flat, base.view(BITS_DTYPE[base.dtype]), post,
+                                                    OUT_KIND[base.dtype], stats)
     return kernel, args, constexprs, plan.num_warps
 
 
@@ -188,7 +188,7 @@ def source(fn: Any, types: Dict[str, str], constexprs: Dict[str, Any], aligned: 
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    version = _triton.version_tuple()
+    version = triton_version()
     if version < (3, 2):
         from triton.compiler.compiler import AttrsDescriptor
 
@@ -208,7 +208,7 @@ def source(fn: Any, types: Dict[str, str], constexprs: Dict[str, Any], aligned: 
 def compile_launch(kernel: Any, args: tuple, constexprs: dict, num_warps: int, arch: int) -> Any:
     """The compiled kernel Triton's launcher would build for these arguments on a GPU of compute capability
     ``arch`` (90: sm_90a). Needs the kernels imported in compiled mode (TRITON_INTERPRET=0)."""
-    if _triton.INTERPRETER:
+    if INTERPRETER:
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: run this in a fresh process with "
                            "TRITON_INTERPRET=0 (python -m bench.codegen does)")
     from triton.backends.compiler import GPUTarget

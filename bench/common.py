@@ -15,29 +15,19 @@ if __package__ in (None, ""):  # run as a plain script: make `ddp_triton` import
 
 import torch  # noqa: E402
 
+from ddp_triton.versions import nccl_version_text, package_version  # noqa: E402
+
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
 def environment(device: torch.device) -> Dict[str, Any]:
     """GPU name, software versions and the date: what a recorded number must carry."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:  # NCCL missing from this build
-            nccl = None
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "nccl": nccl,
+        "torch": package_version("torch"),
+        "triton": package_version("triton"),
+        "nccl": nccl_version_text() if torch.cuda.is_available() else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
     }
 

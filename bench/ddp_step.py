@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import append_results, environment, format_table, save_json  # noqa: E402
-from ddp_triton.measure import leave_process_group  # noqa: E402
+from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 
 
 def make_model(width: int, blocks: int) -> nn.Module:

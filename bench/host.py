@@ -144,7 +144,7 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
 
 def hook_front_end() -> Callable[[], Any]:
     """The per-bucket work of ``triton_hook`` before the all-reduce: the bucket's entry, then its bound pack."""
-    from ddp_triton.state import CommState
+    from ddp_triton import CommState
 
     state = CommState(profile=None)  # bfloat16 on the wire: a pack kernel per bucket
     buffer = torch.randn(1 << 16)

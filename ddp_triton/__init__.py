@@ -5,6 +5,14 @@
 
 The public names are imported on first use, so ``ddp-triton topo`` and ``env`` start without loading the hook
 and its kernels.
+
+Layers, each importing only those below it (``lint-imports`` checks this; contracts in pyproject.toml):
+
+1. ``kernels`` (``ddp_triton.kernels``) and the base modules: ``log``, ``dtypes``, ``versions``, ``safe_write``
+2. ``machine``: the GPU topology, the all-reduce cost model, tuning profiles; no collectives
+3. ``runtime``: the hook, its state, which profile it follows, per-algorithm process groups
+4. ``tune``: processes, the all-reduce sweep, DDP step timing, autotune
+5. ``cli`` and ``envinfo``
 """
 
 from typing import Any
@@ -12,11 +20,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "triton_hook": "ddp_triton.hook",
-    "register": "ddp_triton.hook",
-    "reattach": "ddp_triton.hook",
-    "CommState": "ddp_triton.state",
-    "ddp_kwargs": "ddp_triton.profile",
+    "triton_hook": "ddp_triton.runtime.hook",
+    "register": "ddp_triton.runtime.hook",
+    "reattach": "ddp_triton.runtime.hook",
+    "CommState": "ddp_triton.runtime.state",
+    "ddp_kwargs": "ddp_triton.machine.profile",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

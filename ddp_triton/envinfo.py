@@ -6,35 +6,13 @@ everywhere, a CPU-only laptop included: every probe catches its own failure and 
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-
-def _dist_version(*names: str) -> Optional[str]:
-    """Installed version of the first distribution found (e.g. "triton" or nightly's "pytorch-triton")."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        except Exception:  # a broken installation's metadata
-            continue
-    return None
-
-
-def _err(e: BaseException) -> str:
-    try:
-        msg = str(e)
-    except Exception:  # pynvml's __str__ may call into NVML
-        msg = ""
-    name = type(e).__name__
-    return f"{name}: {msg}" if msg and msg != name else name
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+from .log import describe_error
+from .machine.topology.nvml import nvml_text
+from .versions import nccl_version_text, package_version
 
 
 def _torch_info() -> Dict[str, Any]:
@@ -50,7 +28,7 @@ def _torch_info() -> Dict[str, Any]:
     try:
         import torch
     except Exception as e:
-        out["torch_error"] = _err(e)
+        out["torch_error"] = describe_error(e)
         return out
     out["torch"] = getattr(torch, "__version__", None)
     out["torch_cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
@@ -61,18 +39,13 @@ def _torch_info() -> Dict[str, Any]:
     except Exception:
         pass
     if out["torch_nccl_built"]:
-        try:
-            v = torch.cuda.nccl.version()
-            # a (major, minor, patch) tuple in current torch, an int like 21803 in old releases
-            out["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:
-            pass
+        out["nccl_version"] = nccl_version_text()
     try:
         out["cuda_available"] = bool(torch.cuda.is_available())
         if out["cuda_available"]:
             out["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception as e:
-        out["torch_error"] = _err(e)
+        out["torch_error"] = describe_error(e)
     return out
 
 
@@ -85,19 +58,19 @@ def _nvml_info(nvml: Any) -> Dict[str, Any]:
         "nvml_devices": [],
     }
     if nvml is None:
-        try:
+        try:  # here, not at the top: NVML is an optional dependency, and a failed import is a finding to report
             import pynvml as nvml
         except Exception as e:
-            out["nvml_error"] = f"cannot import pynvml ({_err(e)}); pip install nvidia-ml-py"
+            out["nvml_error"] = f"cannot import pynvml ({describe_error(e)}); pip install nvidia-ml-py"
             return out
     try:
         nvml.nvmlInit()
     except Exception as e:
-        out["nvml_error"] = f"nvmlInit failed: {_err(e)}"
+        out["nvml_error"] = f"nvmlInit failed: {describe_error(e)}"
         return out
     try:
         try:
-            out["driver_version"] = _text(nvml.nvmlSystemGetDriverVersion())
+            out["driver_version"] = nvml_text(nvml.nvmlSystemGetDriverVersion())
         except Exception:
             pass
         try:
@@ -108,14 +81,14 @@ def _nvml_info(nvml: Any) -> Dict[str, Any]:
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except Exception as e:
-            out["nvml_error"] = f"nvmlDeviceGetCount failed: {_err(e)}"
+            out["nvml_error"] = f"nvmlDeviceGetCount failed: {describe_error(e)}"
             return out
         names: List[str] = []
         for i in range(count):
             try:
-                names.append(str(_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))))
+                names.append(str(nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))))
             except Exception as e:
-                names.append(f"GPU {i} (name unreadable: {_err(e)})")
+                names.append(f"GPU {i} (name unreadable: {describe_error(e)})")
         out["nvml_devices"] = names
         out["nvml_ok"] = True
     finally:
@@ -132,16 +105,15 @@ def collect_env(nvml: Any = None) -> Dict[str, Any]:
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "platform": platform.platform(),
-        "ddp_triton": _dist_version("ddp-triton"),
+        "ddp_triton": package_version("ddp_triton"),
     }
     env.update(_torch_info())
-    env["triton"] = _dist_version("triton", "pytorch-triton", "triton-nightly")
-    env["numpy"] = _dist_version("numpy")
-    env["nvidia_ml_py"] = _dist_version("nvidia-ml-py", "pynvml")
+    for key in ("triton", "numpy", "nvidia_ml_py"):
+        env[key] = package_version(key)
     try:
         env.update(_nvml_info(nvml))
     except Exception as e:  # a stand-in module that misbehaves beyond pynvml's API
-        env.update(nvml_ok=False, nvml_error=_err(e))
+        env.update(nvml_ok=False, nvml_error=describe_error(e))
     return env
 
 

@@ -58,6 +58,16 @@ def info_rank0(msg: str) -> None:
         logger.info(msg)
 
 
+def describe_error(e: BaseException) -> str:
+    """An exception in one line: ``Name(message)``, or ``Name`` alone when the message says nothing more."""
+    try:
+        msg = str(e)
+    except Exception:  # pynvml's __str__ may itself call into NVML
+        msg = ""
+    name = type(e).__name__
+    return f"{name}({msg})" if msg and msg != name else name
+
+
 def _reset_warn_once() -> None:
     """Forget which messages were said (tests only)."""
     _said.clear()

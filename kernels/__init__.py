@@ -4,7 +4,10 @@ They know nothing of torch.distributed: they flatten, scale and cast gradient bu
 (``unpack``), one pass each way, bit-exact on GPU, in Triton's interpreter and on the plain-torch CPU path.
 """
 
+from ._triton import INTERPRETER
+from ._triton import version_tuple as triton_version
+from .dtypes import SUPPORTED_DTYPES
 from .pack import bind_pack, bind_unpack, pack, unpack, uses_triton
-from .validation import SUPPORTED_DTYPES
 
-__all__ = ["pack", "unpack", "bind_pack", "bind_unpack", "uses_triton", "SUPPORTED_DTYPES"]
+__all__ = ["pack", "unpack", "bind_pack", "bind_unpack", "uses_triton", "SUPPORTED_DTYPES", "INTERPRETER",
+           "triton_version"]

@@ -15,14 +15,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _triton, torch_path
-from .convert import OUT_BF16, OUT_FP16, OUT_FP32
+from .dtypes import BITS_DTYPE, OUT_KIND
 from .launch import ONE_SHOT, BoundLaunch, _bind_direct, kernel_arguments, launch_hooks_installed
 from .layouts import LayoutCache, signature
 from .validation import check_flat, check_overlap, check_scale, check_tensor_list
 from .worklist import PLANS, Plan
 
-_OUT_KIND = {torch.bfloat16: OUT_BF16, torch.float16: OUT_FP16, torch.float32: OUT_FP32}
-_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 Layout = Callable[[Sequence[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], None]
 """A checked plain call, replayed as ``layout(tensors, flat, stats)`` for any call with the same signature (``out``
@@ -115,7 +113,7 @@ def _pack_layout(tensors, out, scale) -> Tuple[Layout, List[torch.Tensor]]:
     if not uses_triton(out.device):
         return (lambda ts, flat, stats: torch_path.pack(ts, flat, scale)), tensors
     plan = PLANS.get(tensors, out, many_is_source=True)
-    kind, bits = _OUT_KIND[out.dtype], _BITS_DTYPE[out.dtype]
+    kind, bits = OUT_KIND[out.dtype], BITS_DTYPE[out.dtype]
 
     def arguments(ts, flat, stats) -> tuple:
         return kernel_arguments(plan, ts[plan.many_base], flat.view(bits), scale, kind, None)
@@ -132,7 +130,7 @@ def _unpack_layout(flat, tensors, scale, stats) -> Tuple[Layout, List[torch.Tens
         return (lambda ts, fl, st: torch_path.unpack(fl, ts, scale, st)), tensors
     plan = PLANS.get(tensors, flat, many_is_source=False)
     base = tensors[plan.many_base]
-    kind, bits = _OUT_KIND[base.dtype], _BITS_DTYPE[base.dtype]
+    kind, bits = OUT_KIND[base.dtype], BITS_DTYPE[base.dtype]
     partials = None if stats is None else torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
 
     def arguments(ts, fl, st) -> tuple:
@@ -198,8 +196,8 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float =
     if not uses_triton(out.device):
         return lambda: torch_path.pack(tensors, out, scale)
     plan = PLANS.get(tensors, out, many_is_source=True)
-    args = kernel_arguments(plan, tensors[plan.many_base], out.view(_BITS_DTYPE[out.dtype]), scale,
-                            _OUT_KIND[out.dtype], None)
+    args = kernel_arguments(plan, tensors[plan.many_base], out.view(BITS_DTYPE[out.dtype]), scale,
+                            OUT_KIND[out.dtype], None)
     return BoundLaunch(plan, *args, keepalive=tensors)
 
 
@@ -218,13 +216,13 @@ def bind_unpack(
         return lambda: torch_path.unpack(flat, tensors, scale, stats)
     plan = PLANS.get(tensors, flat, many_is_source=False)
     base = tensors[plan.many_base]
-    dst = base.view(_BITS_DTYPE[base.dtype])
+    dst = base.view(BITS_DTYPE[base.dtype])
     if stats is None:
-        args = kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], None)
+        args = kernel_arguments(plan, flat, dst, scale, OUT_KIND[base.dtype], None)
         return BoundLaunch(plan, *args, keepalive=tensors)
 
     partials = torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
-    kernel_launch = BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, _OUT_KIND[base.dtype], partials),
+    kernel_launch = BoundLaunch(plan, *kernel_arguments(plan, flat, dst, scale, OUT_KIND[base.dtype], partials),
                                 keepalive=tensors)
 
     def run_with_stats() -> None:

@@ -12,10 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .convert import NAN_BITS, OUT_BF16, OUT_FP16, OUT_FP32
-
-_KIND = {torch.bfloat16: OUT_BF16, torch.float16: OUT_FP16, torch.float32: OUT_FP32}
-_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+from .convert import NAN_BITS
+from .dtypes import BITS_DTYPE, OUT_KIND
 
 
 def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
@@ -29,7 +27,7 @@ def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     # A NaN anywhere makes the sum NaN; the sum is one cheap pass, the exact search runs only when it fires.
     if bool(torch.isnan(dst.sum())):
         nan = torch.isnan(dst)
-        dst.view(_BITS_DTYPE[dst.dtype])[nan] = NAN_BITS[_KIND[dst.dtype]]
+        dst.view(BITS_DTYPE[dst.dtype])[nan] = NAN_BITS[OUT_KIND[dst.dtype]]
 
 
 def _accumulate_stats(stats: torch.Tensor, values: torch.Tensor) -> None:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_workers
-from ddp_triton import algo_groups as ag
-from ddp_triton.profile import Profile, TableEntry
+from ddp_triton.runtime import algo_groups as ag
+from ddp_triton.machine.profile import Profile, TableEntry
 
 SENTINEL = "user-choice"
 

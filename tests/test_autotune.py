@@ -18,13 +18,14 @@ import torch
 
 import nvml_fakes
 from dist_utils import run_workers
-from ddp_triton import autotune
-from ddp_triton import cost_model as cm
-from ddp_triton.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default_algorithms, e2e_profile, fallback_profile,
-                                 measure_profile, model_profile, share_profile, write_nccl_tuner_csv)
-from ddp_triton.measure import e2e_bucket_candidates, format_rows, load_factory
-from ddp_triton.profile import Profile, TableEntry, cache_path
-from ddp_triton.topology import apply_launch_env, from_nvml, load_topology
+from ddp_triton.tune import autotune
+from ddp_triton.machine import cost_model as cm
+from ddp_triton.machine.profile import Profile, TableEntry, cache_path, fallback_profile, model_profile
+from ddp_triton.machine.topology import apply_launch_env, from_nvml, load_topology
+from ddp_triton.tune.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default_algorithms, e2e_profile,
+                                      measure_profile, share_profile, write_nccl_tuner_csv)
+from ddp_triton.tune.step_timing import e2e_bucket_candidates, load_factory
+from ddp_triton.tune.sweep import format_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -284,7 +285,7 @@ def _join_talk_leave(rank: int, world: int, root: str, rounds: int) -> None:
     """Join a gloo group, exchange objects, leave; again and again, as the CLI and spawned workers do."""
     import torch.distributed as dist
 
-    from ddp_triton.measure import leave_process_group
+    from ddp_triton.tune.processes import leave_process_group
 
     for i in range(rounds):
         store = dist.FileStore(os.path.join(root, f"store-{i}"), world)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddp_triton.cli import main, parse_size
-from ddp_triton.profile import Profile, cache_path
+from ddp_triton.machine.profile import Profile, cache_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,13 +239,13 @@ def test_bad_usage_exits_2(argv, says, capsys, env):
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Measuring (spawned or in place) fails the test: usage must be checked before it starts."""
-    from ddp_triton import measure
+    from ddp_triton.tune import processes
 
     def refuse(*args, **kwargs):
         raise AssertionError("started measuring before checking usage")
 
-    monkeypatch.setattr(measure, "spawn_local", refuse)
-    monkeypatch.setattr(measure, "init_in_place", refuse)
+    monkeypatch.setattr(processes, "spawn_local", refuse)
+    monkeypatch.setattr(processes, "init_in_place", refuse)
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -260,12 +260,12 @@ def no_measuring(monkeypatch):
                  "less than one float32", id="sizes-below-one-element"),
 ])
 def test_usage_is_checked_before_measuring(argv, says, no_measuring, capsys, env, monkeypatch):
-    from ddp_triton import topology
+    from ddp_triton.machine.topology import TopologyError, nvml
 
     def no_nvml(nvml=None):
-        raise topology.TopologyError("NVML unavailable (test)")
+        raise TopologyError("NVML unavailable (test)")
 
-    monkeypatch.setattr(topology, "from_nvml", no_nvml)  # a GPU machine's NVML would give the model a topology
+    monkeypatch.setattr(nvml, "from_nvml", no_nvml)  # a GPU machine's NVML would give the model a topology
     assert main(["autotune", "--backend", "gloo", *argv]) == 2
     assert says in capsys.readouterr().err
 
@@ -275,20 +275,23 @@ def test_comm_dtype_int8_rejected_in_model_only(capsys, env):
     assert "--comm-dtype int8" in capsys.readouterr().err
 
 
-def test_cli_comm_dtypes_are_the_hooks():
-    from ddp_triton.cli import HOOK_COMM_DTYPES
-    from ddp_triton.state import COMM_DTYPES
+def test_cli_comm_dtypes_are_the_hooks(capsys, env):
+    from ddp_triton.runtime.state import COMM_DTYPES
 
-    assert list(HOOK_COMM_DTYPES) == [str(d).replace("torch.", "") for d in COMM_DTYPES]
+    for dtype in COMM_DTYPES:  # every dtype the hook takes, the CLI takes as the comm dtype
+        name = str(dtype).replace("torch.", "")
+        assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--comm-dtype", name, "--no-cache",
+                     "--max-bytes", "4K", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["comm_dtype"] == name
 
 
 def test_value_error_while_measuring_exits_1(monkeypatch, capsys, env):
-    from ddp_triton import autotune, measure
+    from ddp_triton.tune import autotune, processes
 
     def fail(config):
         raise ValueError("went wrong while measuring")
 
-    monkeypatch.setattr(measure, "init_in_place", lambda backend: False)
+    monkeypatch.setattr(processes, "init_in_place", lambda backend: False)
     monkeypatch.setattr(autotune, "measure_worker", fail)
     assert main(["autotune", "--backend", "gloo", "--nproc", "1", "--max-bytes", "4K", "--no-cache"]) == 1
     assert "autotune failed: ValueError: went wrong while measuring" in capsys.readouterr().err
@@ -479,12 +482,12 @@ def test_bad_input_from_the_command_line(setup, says, env, tmp_path):
 
 def test_outputs_are_checked_before_modelling(env, tmp_path, monkeypatch, capsys):
     # An output that cannot be written fails before the (possibly long) work, not after it.
-    from ddp_triton import autotune
+    from ddp_triton.machine import profile
 
     def refuse(*a, **k):
         raise AssertionError("modelled before checking the outputs")
 
-    monkeypatch.setattr(autotune, "model_profile", refuse)
+    monkeypatch.setattr(profile, "model_profile", refuse)
     (tmp_path / "d").mkdir()
     assert main(MODEL + ["--out", str(tmp_path / "d")]) == 2
     assert "--out" in capsys.readouterr().err
@@ -509,12 +512,12 @@ def test_out_replaces_a_regular_file_atomically_keeping_its_mode(env, tmp_path):
 
 
 def test_topo_json_without_a_topology_prints_json(env, monkeypatch, capsys):
-    from ddp_triton import topology
+    from ddp_triton.machine.topology import TopologyError, nvml
 
     def no_nvml(nvml=None):
-        raise topology.TopologyError("NVML unavailable (test)")
+        raise TopologyError("NVML unavailable (test)")
 
-    monkeypatch.setattr(topology, "from_nvml", no_nvml)
+    monkeypatch.setattr(nvml, "from_nvml", no_nvml)
     assert main(["topo", "--json"]) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)  # stdout is JSON, and nothing else

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from ddp_triton import cost_model as cm
-from ddp_triton.topology import apply_launch_env, load_topology
+from ddp_triton.machine import cost_model as cm
+from ddp_triton.machine.topology import apply_launch_env, load_topology
 
 
 def fabric(preset: str, nodes: int = 1, inter: float = None) -> cm.Fabric:

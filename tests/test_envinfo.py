@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvml_fakes
-from ddp_triton import envinfo
+from ddp_triton import envinfo, versions
 from ddp_triton.envinfo import collect_env, format_env
 
 KEYS = {
@@ -129,7 +129,7 @@ def test_triton_missing(monkeypatch):
             raise importlib.metadata.PackageNotFoundError(name)
         return real(name)
 
-    monkeypatch.setattr(envinfo.importlib.metadata, "version", version)
+    monkeypatch.setattr(versions.importlib.metadata, "version", version)
     env = collect_env(nvml=nvml_fakes.unavailable())
     assert env["triton"] is None
     assert line(format_env(env), "Triton") == "n/a"

@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.algo_groups import scoped_env
-from ddp_triton.hook import then_unpack
+from ddp_triton.runtime.algo_groups import scoped_env
+from ddp_triton.runtime.hook import then_unpack
 
 # The survivor trains for at most this long; a fixed hook raises within a few seconds of the peer's death.
 TRAIN_SECONDS = 30

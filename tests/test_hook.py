@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from dist_utils import run_workers
 from interpreter import interpreter_problem
-from ddp_triton.algo_groups import scoped_env
-from ddp_triton.state import split_average
+from ddp_triton.runtime.algo_groups import scoped_env
+from ddp_triton.runtime.state import split_average
 
 BATCH = 16
 IN, HIDDEN, OUT = 8, 32, 4
@@ -511,7 +511,7 @@ def test_process_group_as_state_like_torch_hooks():
 
 def _shared_state_worker(rank, world_size):
     """Two models (a GAN's two halves, say) registered with None share the default state: neither evicts the other."""
-    from ddp_triton.state import default_state
+    from ddp_triton.runtime.state import default_state
 
     models = [DDP(make_model(seed=s), bucket_cap_mb=0.002) for s in (0, 1)]
     for m in models:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.profile import Profile, ProfileError, TableEntry
-from ddp_triton.state import collective_averages
+from ddp_triton.machine.profile import Profile, ProfileError, TableEntry
+from ddp_triton.runtime.state import collective_averages
 from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
 
 SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
@@ -31,6 +31,7 @@ def _dispatch_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0.002)  # buckets of a few KiB up to ~4 KiB and the larger layers alone
     profile = two_range_profile(world_size)
     state = ddp_triton.register(ddp, comm_dtype=torch.float32, profile=profile)
+    assert state.profile is profile and state.active_profile is profile
     assert set(state.algorithm_groups) == {"ring", "tree"}
     assert all(g is state.group for g in state.algorithm_groups.values())  # gloo: one group for all
     train_ddp(ddp, rank, world_size, steps=4)
@@ -61,14 +62,16 @@ def _files_worker(rank, world_size, tmp):
         two_range_profile(world_size).save(good)
     dist.barrier()
     state = ddp_triton.CommState(comm_dtype=torch.float32, profile=good)
-    assert state.profile is not None and state.profile.algorithm_for(100) == "tree"
+    assert state.active_profile is not None and state.active_profile.algorithm_for(100) == "tree"
+    assert state.profile == good, "the argument as given; the Profile it resolved to is active_profile"
 
     corrupt = os.path.join(tmp, "corrupt.json")
     with open(corrupt, "w") as f:
         f.write("{ not json")
     # a corrupt file warns and falls back to the cost model, which needs NCCL: no profile on gloo
     state = ddp_triton.CommState(comm_dtype=torch.float32, profile=corrupt)
-    assert state.profile is None and state.algorithm_groups == {}
+    assert state.active_profile is None and state.algorithm_groups == {}
+    assert state.profile == corrupt
 
     with pytest.raises(ProfileError, match="world_size"):  # a Profile object is the caller's: a mismatch is an error
         ddp_triton.CommState(comm_dtype=torch.float32, profile=two_range_profile(world_size + 1))
@@ -99,7 +102,7 @@ def test_when_the_collective_averages(backend, on_cuda, comm, bucket, algorithm,
 
 
 def _unusable_worker(rank, world_size):
-    from ddp_triton import state
+    from ddp_triton.runtime import state
 
     if rank == 1:  # this rank's NCCL cannot run the profile (patched in this worker process only)
         state.CommState._unusable_here = lambda self, profile: state._UnusableProfile(
@@ -115,7 +118,7 @@ def test_a_rank_that_cannot_run_the_profile_fails_every_rank():
 def test_unusable_profile_detected_on_nccl(monkeypatch):
     from types import SimpleNamespace
 
-    from ddp_triton.state import CommState
+    from ddp_triton.runtime.state import CommState
 
     nvls = Profile(source="model", backend="model", world_size=2, nodes=1, comm_dtype="float32", bucket_cap_mb=1.0,
                    table=[TableEntry(0, None, "nvls")])

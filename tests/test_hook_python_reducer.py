@@ -32,7 +32,7 @@ def _eager_bucket_grads(hook_state, rank, world_size, step=0, dtype=torch.float3
 
 
 def _tuple_call_worker(rank, world_size):
-    from ddp_triton.state import CommState
+    from ddp_triton.runtime.state import CommState
 
     states = {
         "bfloat16": lambda: CommState(comm_dtype=torch.bfloat16, profile=None),

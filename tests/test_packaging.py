@@ -39,7 +39,10 @@ def test_wheel_maps_kernels_into_the_package(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = tmp_path.glob("ddp_triton-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "ddp_triton/kernels/convert.py" in names and "ddp_triton/hook.py" in names
+    assert "ddp_triton/kernels/convert.py" in names and "ddp_triton/runtime/hook.py" in names
+    on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "ddp_triton").rglob("*.py")}
+    missing = sorted(p for p in on_disk if p not in names)
+    assert not missing, f"modules left out of the wheel (pyproject's packages list): {missing}"
     assert not any(n.startswith("kernels/") for n in names), "a top-level `kernels` package would clash on PyPI"
     assert any(n.endswith("entry_points.txt") for n in names)
 

@@ -12,11 +12,11 @@ import logging
 import pytest
 
 from ddp_triton import log
-from ddp_triton.autotune import model_profile
-from ddp_triton.profile import (DEFAULT_MAX_BUCKET_MB, MiB, Profile, ProfileError, SweepRow, TableEntry, build_table,
-                                cache_dir, cache_path, choose_bucket_cap_mb, ddp_kwargs, find_cached_profile,
-                                load_profile, profile_fingerprint, save_to_cache)
-from ddp_triton.topology import apply_launch_env, load_topology
+from ddp_triton.machine.profile import (DEFAULT_MAX_BUCKET_MB, MiB, Profile, ProfileError, SweepRow, TableEntry,
+                                        build_table, cache_dir, cache_path, choose_bucket_cap_mb, ddp_kwargs,
+                                        find_cached_profile, load_profile, model_profile, profile_fingerprint,
+                                        save_to_cache)
+from ddp_triton.machine.topology import apply_launch_env, load_topology
 
 
 @pytest.fixture(autouse=True)
@@ -332,7 +332,7 @@ def test_save_refuses_a_symlink_a_directory_and_a_fifo(tmp_path):
 
 
 def test_save_to_cache_when_the_cache_home_is_a_file(tmp_path, monkeypatch, h100x2):
-    from ddp_triton.profile import check_cache_writable
+    from ddp_triton.machine.profile import check_cache_writable
 
     (tmp_path / "xdg").write_text("a file\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -382,7 +382,7 @@ def test_unknown_fields_are_refused_by_name(edit, name, tmp_path):
 
 
 def test_every_field_written_is_known(h100x2):
-    from ddp_triton.profile import _PROFILE_FIELDS, _SWEEP_FIELDS, _TABLE_FIELDS
+    from ddp_triton.machine.profile.schema import _PROFILE_FIELDS, _SWEEP_FIELDS, _TABLE_FIELDS
 
     d = h100x2[1].to_dict()
     assert set(d) == set(_PROFILE_FIELDS)

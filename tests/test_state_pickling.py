@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.state import CommState
+from ddp_triton.runtime.state import CommState
 from test_hook import local_backward, make_data, make_model, torch_path_workers
 
 WORLD = 2
@@ -70,7 +70,7 @@ def _contents_worker(rank, world_size, tmp):
     assert restored.profile == "auto", "the profile argument as given, resolved again when the state binds"
     # A profile given as a path stays that path (here one that does not exist: not resolved until binding).
     as_path = CommState(comm_dtype=torch.float32, profile=None)
-    as_path._profile_spec = os.path.join(tmp, "profile.json")
+    as_path.profile = os.path.join(tmp, "profile.json")
     assert pickle.loads(pickle.dumps(as_path)).profile == os.path.join(tmp, "profile.json")
     # A state on another group than the default one does not fall back to averaging over the world.
     pair = dist.new_group([0, 1])

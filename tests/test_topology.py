@@ -11,9 +11,9 @@ import re
 import pytest
 
 import nvml_fakes
-from ddp_triton.presets import PRESETS as PRESETS_FROM_PRESETS
-from ddp_triton.profile import profile_fingerprint
-from ddp_triton.topology import (
+from ddp_triton.machine.topology.presets import PRESETS as PRESETS_FROM_PRESETS
+from ddp_triton.machine.profile import profile_fingerprint
+from ddp_triton.machine.topology import (
     GPU,
     LEGEND,
     PRESETS,
@@ -28,7 +28,7 @@ from ddp_triton.topology import (
     load_topology,
 )
 
-# What each preset must say, from the public figures cited in ddp_triton/presets.py.
+# What each preset must say, from the public figures cited in ddp_triton/machine/topology/presets.py.
 # intra: unidirectional GB/s per GPU for a ring inside the node (NVLink links x 25, or PCIe gen/width).
 EXPECTED = {
     "dgx-h100": dict(gpus=8, arch="hopper", nvswitch=True, links=18, intra=450.0, inter=400.0, fabric="nvlink"),

@@ -24,22 +24,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Mutab
 import torch
 import torch.distributed as dist
 
-from .cost_model import ALGORITHMS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, parse_nccl_version
-from .log import info_rank0, warn_once
+from ..log import info_rank0, warn_once
+from ..machine.cost_model import ALGORITHMS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES
+from ..versions import nccl_version
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps this importable where distributed is stubbed
 
 #: Length of the digest exchanged between ranks (sha256 hex).
 _DIGEST_LEN = 64
 _NO_PROFILE = "no-profile".ljust(_DIGEST_LEN, "-")
-
-
-def nccl_version() -> Optional[Tuple[int, int, int]]:
-    """NCCL version torch was built with, as (major, minor, patch); None in builds without NCCL (CPU wheels)."""
-    try:
-        return parse_nccl_version(torch.cuda.nccl.version())
-    except Exception:  # CPU builds have no torch._C._nccl_version
-        return None
 
 
 def _canonical(algorithms: Iterable[str]) -> List[str]:

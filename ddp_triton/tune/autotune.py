@@ -1,111 +1,40 @@
-"""Making profiles: from the cost model, from timed all-reduces, or from timed training steps.
+"""Making profiles by measuring: timed all-reduces, or timed training steps; and NCCL's tuner CSV of a profile.
 
-* ``model_profile(topo)``: no GPU needed; the cost model's sweep over sizes x algorithms.
-* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``measure.run_sweep``).
+* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``sweep.run_sweep``).
   On gloo there is one all-reduce algorithm; it is recorded as ``ring`` (gloo's CPU all-reduce is ring-based)
   and the profile says so in ``notes``.
 * ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
-  ``measure.load_factory``) for candidate bucket sizes and hooks; the fastest wins.
+  ``step_timing.load_factory``) for candidate bucket sizes and hooks; the fastest wins. ``e2e_base_profile``: the
+  profile it starts from.
 * ``write_nccl_tuner_csv``: the profile's table as the CSV NCCL's example tuner plugin reads
   (``nccl_tuner_csv_text``: the same text, unwritten).
 
-``measure_worker`` and ``e2e_worker`` are the entry points ``measure.spawn_local`` runs on each process.
+The cost model's profile needs no measuring: ``ddp_triton.machine.profile.model_profile``. ``measure_worker`` and
+``e2e_worker`` are the entry points ``processes.spawn_local`` runs on each process.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import platform
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
-from . import cost_model as cm
-from .algo_groups import nccl_version
-from .measure import E2E_HOOKS, agree_on_plan, run_e2e, run_sweep
-from .profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, TableEntry, build_table,
-                      choose_bucket_cap_mb, format_bytes, now_iso, profile_fingerprint, rows_for_dtype,
-                      save_to_cache)
-from .safe_write import atomic_write_text
+from ..dtypes import normalize_dtype
+from ..machine import cost_model as cm
+from ..machine.profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, cached_or_model_profile,
+                               fallback_profile, now_iso, profile_from_rows, save_to_cache)
+from ..machine.topology import Topology
+from ..safe_write import atomic_write_text
+from ..versions import nccl_version, software_versions
+from .processes import agree_on_plan
+from .step_timing import E2E_HOOKS, run_e2e
+from .sweep import run_sweep
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
 TUNER_MAX_BYTES = (1 << 64) - 1
 TUNER_CSV_HEADER = "collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks"
-#: dtype of the gradients DDP buckets hold; bucket_cap_mb counts those bytes.
-DEFAULT_GRAD_DTYPE = "float32"
-
-
-def software_versions() -> Dict[str, str]:
-    """Versions a profile records: ddp-triton, torch, triton, NCCL (when torch has it), Python."""
-    out: Dict[str, str] = {"python": platform.python_version()}
-    for dist_name, key in (("ddp-triton", "ddp_triton"), ("torch", "torch"), ("triton", "triton")):
-        try:
-            out[key] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    v = nccl_version()
-    if v is not None:
-        out["nccl"] = ".".join(map(str, v))
-    return out
-
-
-def _protocol_guesser(topo: Any, comm_dtype: str) -> Optional[Callable[[str, int], Optional[str]]]:
-    """The cost model's protocol per (algorithm, bytes) for this topology, or None if it cannot model it."""
-    if topo is None:
-        return None
-    try:
-        fabric = cm.Fabric.from_topology(topo)
-    except ValueError:
-        return None
-
-    def guess(algorithm: str, nbytes: int) -> Optional[str]:
-        try:
-            return cm.estimate(fabric, nbytes, algorithm, comm_dtype).protocol
-        except ValueError:
-            return None
-
-    return guess
-
-
-def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source: str, backend: str,
-                      world_size: int, nodes: int, comm_dtype: str, topo: Any = None,
-                      fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
-                      min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
-                      notes: Optional[List[str]] = None) -> Profile:
-    """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``."""
-    all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
-    comm_rows = rows_for_dtype(all_rows, comm_dtype)
-    if not comm_rows:
-        raise ValueError(f"no sweep rows in comm dtype {comm_dtype}")
-    # Protocols are NCCL's; a gloo measurement has none to guess.
-    guesser = _protocol_guesser(topo, comm_dtype) if backend in ("nccl", "model") else None
-    table = build_table(comm_rows, protocol_of=guesser)
-    mb, reason = choose_bucket_cap_mb(comm_rows, fraction=fraction, model_bytes=model_bytes,
-                                      min_buckets=min_buckets,
-                                      comm_ratio=cm.dtype_size(comm_dtype) / cm.dtype_size(grad_dtype))
-    return Profile(source=source, backend=backend, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
-                   bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
-                   topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
-                   topology_name=topo.name if topo is not None else "", versions=software_versions(),
-                   notes=list(notes or []))
-
-
-def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Sequence[int]] = None,
-                  fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
-                  min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE) -> Profile:
-    """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env)."""
-    comm_dtype = cm.normalize_dtype(comm_dtype)
-    fabric = cm.Fabric.from_topology(topo)
-    sizes = list(sizes) if sizes is not None else cm.default_sizes()
-    sizes = [s for s in sizes if s % cm.dtype_size(comm_dtype) == 0]
-    rows = [e.row(comm_dtype) for e in cm.sweep(fabric, sizes, comm_dtype)]
-    notes = [f"cost model: {fabric.ranks_per_node} ranks x {fabric.nodes} node(s), intra {fabric.intra_gbps:g} GB/s "
-             f"{fabric.intra_link}, inter {fabric.inter_gbps:g} GB/s per node, {fabric.arch}"]
-    return profile_from_rows(rows, source="model", backend="model", world_size=fabric.world_size,
-                             nodes=fabric.nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
-                             model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes)
 
 
 def default_algorithms(topo: Any, backend: str, comm_dtype: str = "bfloat16") -> List[str]:
@@ -126,8 +55,8 @@ def _measure_plan(topo: Any, backend: str, sizes: Optional[Sequence[int]], algor
                   comm_dtype: str, dtypes: Optional[Sequence[str]], warmup: int, iters: int) -> Dict[str, Any]:
     """What this rank would measure (sizes, dtypes, algorithms per dtype, ...), or ``{"error": why}``."""
     try:
-        comm_dtype = cm.normalize_dtype(comm_dtype)
-        dts = [cm.normalize_dtype(d) for d in (dtypes or [comm_dtype])]
+        comm_dtype = normalize_dtype(comm_dtype)
+        dts = [normalize_dtype(d) for d in (dtypes or [comm_dtype])]
         if comm_dtype not in dts:
             dts.append(comm_dtype)
         if algorithms:
@@ -171,19 +100,20 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                              model_bytes=model_bytes, min_buckets=min_buckets, notes=notes)
 
 
-def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str) -> Profile:
-    """A one-range ring profile, for e2e on a machine the model cannot describe (no topology)."""
-    return Profile(source="model", backend=backend if backend in ("nccl", "gloo") else "model",
-                   world_size=world_size, nodes=nodes, comm_dtype=comm_dtype, bucket_cap_mb=25.0,
-                   bucket_reason="no topology to model: DDP's default 25 MiB", table=[TableEntry(0, None, "ring")],
-                   versions=software_versions(), notes=["no topology: one range, ring"])
+def e2e_base_profile(topo: Any, world_size: int, comm_dtype: str, backend: str, **model_kwargs: Any) -> Profile:
+    """The profile e2e mode starts from: this machine's cached one, else the cost model's, else (no topology, or
+    one the model cannot describe) one ring range with DDP's default bucket size."""
+    base = None if topo is None else cached_or_model_profile(topo, topo.world_size, comm_dtype, **model_kwargs)
+    if base is None:
+        base = fallback_profile(world_size, topo.nodes if topo is not None else 1, comm_dtype, backend)
+    return base
 
 
 def e2e_profile(factory: str, base: Profile, bucket_mbs: Optional[Sequence[float]] = None,
                 hooks: Sequence[str] = E2E_HOOKS, warmup: int = 3, steps: int = 10) -> Profile:
     """Time DDP training steps (every rank calls this) and return ``base`` turned into an ``e2e`` profile.
 
-    Candidates: each hook in ``hooks`` x each bucket size (default: ``measure.e2e_bucket_candidates`` around the
+    Candidates: each hook in ``hooks`` x each bucket size (default: ``step_timing.e2e_bucket_candidates`` around the
     base profile's choice, bounded by the model's size). The winner's bucket size becomes ``bucket_cap_mb``; its
     hook is in ``e2e["winner"]`` (comm_dtype float32 when the winner is DDP's own fp32 all-reduce). Every rank
     times rank 0's candidates (factory, base profile, hooks, bucket sizes, warmup, steps).
@@ -231,15 +161,13 @@ def share_profile(profile: Optional[Dict[str, Any]], cache: bool = True) -> Tupl
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Spawn entry points (run on every process by measure.spawn_local, or in place under torchrun)
+# Spawn entry points (run on every process by processes.spawn_local, or in place under torchrun)
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def _topo_from(config: Dict[str, Any]) -> Any:
     if not config.get("topology"):
         return None
-    from .topology import Topology
-
     return Topology.from_dict(config["topology"])
 
 
@@ -287,9 +215,3 @@ def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
     path) when ``path`` is a symlink, directory, device or FIFO, or cannot be written: nothing is written then.
     """
     return atomic_write_text(path, nccl_tuner_csv_text(profile))
-
-
-def describe_table(profile: Profile) -> str:
-    """One line per range, for logs."""
-    return "; ".join(f"{format_bytes(t.min_bytes)}..{'inf' if t.max_bytes is None else format_bytes(t.max_bytes)}"
-                     f" {t.algorithm}" for t in profile.table)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .kernels import SUPPORTED_DTYPES
+from ..kernels import SUPPORTED_DTYPES
 from .state import CommState, default_state, split_average
 
 

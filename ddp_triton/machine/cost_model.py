@@ -46,6 +46,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from ..dtypes import DTYPE_SIZES, dtype_size, normalize_dtype  # noqa: F401 (DTYPE_SIZES: part of the model's vocabulary)
+from ..versions import parse_nccl_version  # noqa: F401 (the model's NCCL versions are these tuples)
+
 # --------------------------------------------------------------------------------------------------------------------
 # Algorithms, protocols and dtypes
 # --------------------------------------------------------------------------------------------------------------------
@@ -67,22 +70,6 @@ MIN_NCCL_VERSION: Dict[str, Tuple[int, int, int]] = {
 
 PROTOCOLS: Tuple[str, ...] = ("LL", "LL128", "Simple")
 _LL, _LL128, _SIMPLE = 0, 1, 2
-
-#: Bytes per element of the dtypes a gradient all-reduce may use (torch names without the ``torch.`` prefix).
-DTYPE_SIZES: Dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-}
-_DTYPE_ALIASES = {"fp64": "float64", "double": "float64", "fp32": "float32", "float": "float32", "bf16": "bfloat16",
-                  "fp16": "float16", "half": "float16", "long": "int64", "int": "int32"}
 
 #: dtypes NVLS can reduce with a sum (NCCL ``ncclNvlsSupported`` in src/include/device.h): no 8-bit types.
 NVLS_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "int64", "int32"})
@@ -204,7 +191,7 @@ class Fabric:
 
     @classmethod
     def from_topology(cls, topo: Any) -> "Fabric":
-        """Build from a ``ddp_triton.topology.Topology``: its nodes, GPUs per node, link kinds and rates.
+        """Build from a ``ddp_triton.machine.topology.Topology``: its nodes, GPUs per node, link kinds and rates.
 
         ValueError naming what is missing (an inter-node rate for several nodes, an intra-node rate for several
         GPUs per node)."""
@@ -253,7 +240,7 @@ class Layout:
 
     @classmethod
     def from_topology(cls, topo: Any) -> "Layout":
-        """From a ``ddp_triton.topology.Topology``: nodes, GPUs per node, NVSwitch and GPU generation."""
+        """From a ``ddp_triton.machine.topology.Topology``: nodes, GPUs per node, NVSwitch and GPU generation."""
         arch = getattr(topo, "arch", "unknown")
         return cls(ranks_per_node=int(topo.gpus_per_node), nodes=int(topo.nodes), nvswitch=bool(topo.has_nvswitch),
                    arch=arch if arch in KNOWN_ARCHES else "unknown")
@@ -283,22 +270,6 @@ class Estimate:
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers shared with the measuring code
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def normalize_dtype(dtype: Any) -> str:
-    """Canonical dtype name (``"bfloat16"``) from a torch dtype, its name, or a short alias (``"bf16"``)."""
-    name = str(dtype)
-    if name.startswith("torch."):
-        name = name[len("torch."):]
-    name = _DTYPE_ALIASES.get(name.lower(), name.lower())
-    if name not in DTYPE_SIZES:
-        raise ValueError(f"unsupported dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
-    return name
-
-
-def dtype_size(dtype: Any) -> int:
-    """Bytes per element of ``dtype``."""
-    return DTYPE_SIZES[normalize_dtype(dtype)]
 
 
 def busbw_factor(world_size: int) -> float:
@@ -332,24 +303,6 @@ def default_sizes(min_bytes: int = 1 << 10, max_bytes: int = 1 << 30) -> List[in
     if not sizes:
         raise ValueError(f"no power of two between {min_bytes} and {max_bytes}")
     return sizes
-
-
-def parse_nccl_version(v: Any) -> Optional[Tuple[int, int, int]]:
-    """(major, minor, patch) from torch's ``torch.cuda.nccl.version()`` (a tuple, or an int like 21805), or None."""
-    if v is None:
-        return None
-    if isinstance(v, (tuple, list)):
-        parts = [int(x) for x in v][:3]
-        return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
-    if isinstance(v, int):
-        # NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch before.
-        if v >= 10000:
-            return (v // 10000, (v % 10000) // 100, v % 100)
-        return (v // 1000, (v % 1000) // 100, v % 100)
-    if isinstance(v, str):
-        parts = [int(x) for x in v.split("+")[0].split(".") if x.isdigit()][:3]
-        return tuple(parts + [0] * (3 - len(parts))) if parts else None  # type: ignore[return-value]
-    return None
 
 
 def _in_range(version: Tuple[int, int, int], bounds: Tuple[Tuple[int, int, int], Tuple[int, int, int]]) -> bool:

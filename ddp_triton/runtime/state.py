@@ -9,6 +9,9 @@ which is sent in place.
 A state pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its settings alone, the way torch's
 PowerSGDState does: the process group, the resolved profile, the algorithm groups, buffers and launches stay behind,
 and the restored state binds again, to the default group unless given another, at its first bucket.
+
+``profile`` is the argument as given ("auto", a path, a Profile or None); ``active_profile`` is the Profile the
+state follows once bound (``profile_choice.resolve_profile``), or None when NCCL chooses.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import kernels
-from .log import logger
+from .. import kernels
+from ..dtypes import comm_dtypes
+from ..log import logger
+from ..versions import nccl_version
+from .algo_groups import check_nccl_support, check_profile_agreement, make_algorithm_groups, select_group
+from .profile_choice import resolve_profile
 
-COMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The dtypes the hook can all-reduce in (``ddp_triton.dtypes.COMM_DTYPE_NAMES``), as torch dtypes.
+COMM_DTYPES = comm_dtypes()
 
 ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Profile, or None
 
@@ -98,7 +106,7 @@ class CommState:
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
     own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's).
-    Once the state is bound, the Profile it follows (or None); a pickled state keeps the argument as given."""
+    Kept as given, also when pickled; the Profile followed is ``active_profile``."""
     device: Optional[torch.device] = None
     """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
     current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works.
@@ -106,13 +114,15 @@ class CommState:
     buckets: Dict[tuple, BucketComm] = field(default_factory=dict, init=False, repr=False)
     """Per DDP bucket buffer (address, size, dtype): its communication buffer and bound launches."""
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    """Algorithm -> the process group whose NCCL communicator runs it, for the algorithms ``active_profile`` uses."""
+    active_profile: Any = field(default=None, init=False, repr=False)
+    """The Profile this state follows, resolved from ``profile`` when the state binds; None: NCCL chooses."""
 
     def __post_init__(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("CommState needs torch.distributed to be initialised (init_process_group) first")
         if self.comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {self.comm_dtype}")
-        self._profile_spec = self.profile  # as given: what a pickled state keeps and resolves again
         self._needs_group = False
         self._passes = 0
         self._attach()
@@ -132,7 +142,7 @@ class CommState:
         # "nccl", or a mixed "cpu:gloo,cuda:nccl"; CUDA buckets then go through NCCL.
         self.backend = "nccl" if "nccl" in backend else backend
         self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
-        self.profile = self._setup_profile(self._profile_spec)
+        self.active_profile = self._setup_profile(self.profile)
         self._attached = True
 
     def averaging_group(self) -> Any:
@@ -155,7 +165,7 @@ class CommState:
             on_default = not self._needs_group
         else:
             on_default = dist.is_initialized() and self.process_group == dist.group.WORLD
-        return {"version": _PICKLE_VERSION, "comm_dtype": self.comm_dtype, "profile": self._profile_spec,
+        return {"version": _PICKLE_VERSION, "comm_dtype": self.comm_dtype, "profile": self.profile,
                 "on_default_group": on_default}
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
@@ -165,7 +175,8 @@ class CommState:
             raise ValueError(f"a CommState saved in format {version!r}; this ddp-triton reads up to {_PICKLE_VERSION}")
         self.process_group = None
         self.comm_dtype = saved["comm_dtype"]
-        self.profile = self._profile_spec = saved["profile"]
+        self.profile = saved["profile"]
+        self.active_profile = None
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
         self.buckets = {}
         self.algorithm_groups = {}
@@ -174,13 +185,7 @@ class CommState:
         self._attached = False
 
     def _setup_profile(self, spec: ProfileSpec) -> Any:
-        from .algo_groups import check_profile_agreement, make_algorithm_groups
-
-        profile = None
-        if spec is not None:
-            from .dispatch import resolve_profile  # local: keeps autotuner imports off the plain-hook path
-
-            profile = resolve_profile(spec, self)
+        profile = None if spec is None else resolve_profile(spec, self)
         unusable = self._unusable_here(profile)
         use_device = torch.cuda.device(self.device) if self.device is not None and self.device.type == "cuda" \
             else contextlib.nullcontext()
@@ -203,8 +208,6 @@ class CommState:
         """None when this rank's NCCL can run every algorithm of ``profile``; else why not."""
         if profile is None or self.backend != "nccl":
             return None
-        from .algo_groups import check_nccl_support, nccl_version
-
         try:
             check_nccl_support(profile.algorithms(), nccl_version())
         except RuntimeError as exc:
@@ -249,12 +252,10 @@ class CommState:
         return BucketComm(signature, buffer, comm, pack, unpack, group, dist.ReduceOp.SUM, algorithm)
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
-        if self.profile is None or not self.algorithm_groups:
+        if self.active_profile is None or not self.algorithm_groups:
             return self.group, None
-        from .algo_groups import select_group
-
-        algorithm = self.profile.algorithm_for(nbytes)
-        return select_group(self.algorithm_groups, self.profile, nbytes), algorithm
+        algorithm = self.active_profile.algorithm_for(nbytes)
+        return select_group(self.algorithm_groups, self.active_profile, nbytes), algorithm
 
     def held_bytes(self) -> int:
         """Bytes of communication buffers this state holds (those that are not DDP's own bucket buffers)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from ddp_triton.topology import GPU, Topology, TopologyError, build_matrix
+from .model import GPU, Topology, TopologyError, build_matrix
 
 MIB = 1024**2
 

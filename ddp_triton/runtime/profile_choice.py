@@ -1,5 +1,7 @@
 """Which profile the hook follows: the user's, this machine's cached one, or the cost model's.
 
+The per-bucket routing by size is elsewhere: ``CommState`` asks ``algo_groups.select_group``.
+
 The per-size algorithm choice only exists on NCCL; on other backends a profile is still checked across ranks and
 recorded, and every bucket goes to the one group.
 """
@@ -9,20 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .log import logger, warn_once
-from .profile import Profile, ProfileError, find_cached_profile, load_profile, profile_fingerprint
-
-_DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
-
-
-def dtype_name(dtype: Any) -> str:
-    """'bfloat16' for torch.bfloat16, as profiles spell dtypes."""
-    return _DTYPE_NAMES[str(dtype)]
+from ..dtypes import normalize_dtype
+from ..log import logger, warn_once
+from ..machine.profile import (Profile, ProfileError, find_cached_profile, load_profile, model_profile,
+                               profile_fingerprint)
+from ..machine.topology import Topology, TopologyError, apply_launch_env, load_topology
 
 
-def _this_topology(state: Any):
-    from .topology import TopologyError, apply_launch_env, load_topology
-
+def _this_topology() -> Optional[Topology]:
+    """This machine's topology as launched, or None when NVML cannot read it."""
     try:
         return apply_launch_env(load_topology(None))
     except (TopologyError, ValueError) as exc:
@@ -32,13 +29,11 @@ def _this_topology(state: Any):
 
 def _model_profile(state: Any) -> Optional[Profile]:
     """The cost model's profile for this machine, or None when it cannot be modelled (no topology, no NIC rate)."""
-    topology = _this_topology(state)
+    topology = _this_topology()
     if topology is None or state.backend != "nccl":
         return None
-    from .autotune import model_profile
-
     try:
-        return model_profile(topology, comm_dtype=dtype_name(state.comm_dtype))
+        return model_profile(topology, comm_dtype=normalize_dtype(state.comm_dtype))
     except ValueError as exc:  # e.g. several nodes and no inter-node rate: NVML cannot see network cards
         warn_once(f"triton_hook: no cost-model profile for this machine ({exc}); NCCL chooses", all_ranks=True)
         return None
@@ -54,20 +49,20 @@ def resolve_profile(spec: Any, state: Any) -> Optional[Profile]:
     if spec is None:
         return None
     if isinstance(spec, Profile):
-        spec.check_matches(world_size=state.world_size, comm_dtype=dtype_name(state.comm_dtype))
+        spec.check_matches(world_size=state.world_size, comm_dtype=normalize_dtype(state.comm_dtype))
         return spec
     if isinstance(spec, str) and spec == "auto":
         if state.backend != "nccl":
             return None
-        topology = _this_topology(state)
+        topology = _this_topology()
         if topology is None:
             return None
         return find_cached_profile(profile_fingerprint(topology), state.world_size, topology.nodes,
-                                   dtype_name(state.comm_dtype))
+                                   normalize_dtype(state.comm_dtype))
     if isinstance(spec, (str, os.PathLike)):
         try:
             profile = load_profile(spec)
-            profile.check_matches(world_size=state.world_size, comm_dtype=dtype_name(state.comm_dtype), path=spec)
+            profile.check_matches(world_size=state.world_size, comm_dtype=normalize_dtype(state.comm_dtype), path=spec)
             return profile
         except ProfileError as exc:
             warn_once(f"triton_hook: {exc}; falling back to the cost model", all_ranks=True)

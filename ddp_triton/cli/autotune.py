@@ -1,0 +1,318 @@
+"""``ddp-triton autotune``: check the usage and every output first, then model or measure, then write the profile.
+
+``--model-only`` asks the cost model (no GPU); otherwise the workers of ``ddp_triton.tune.autotune`` time
+all-reduces or DDP steps on one process per local GPU (``tune.processes.spawn_local``), or in place under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..dtypes import COMM_DTYPE_NAMES, dtype_size, normalize_dtype
+from ..log import warn_once
+from ..machine import cost_model as cm
+from ..machine import profile as profiles
+from ..machine.cost_model import default_sizes
+from ..machine.profile import Profile, ProfileError, cache_dir, check_cache_writable, save_to_cache
+from ..machine.topology import TopologyError, apply_launch_env, load_topology
+from ..runtime.algo_groups import check_nccl_support
+from ..safe_write import OutputError, atomic_write_text, check_writable_target
+from ..tune import autotune as tuner
+from ..tune import processes
+from ..tune.autotune import nccl_tuner_csv_text
+from ..tune.step_timing import E2E_HOOKS, load_factory
+from ..versions import nccl_version
+from .args import EXIT_FAILED, EXIT_OK, UsageError, WriteFailed
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _launch_topology(args: argparse.Namespace, world_size: Optional[int], required: bool) -> Any:
+    """The topology as launched (nodes, ranks per node), or None when it is unknown and not required."""
+    try:
+        topo = load_topology(args.topology)
+    except TopologyError as e:
+        if required or args.topology is not None:
+            raise UsageError(str(e)) from None
+        warn_once(f"topology unknown ({e}); the profile gets no fingerprint, so the hook will not find it in the "
+                  "cache: pass --topology, and use --out to keep it")
+        return None
+    _check_world_fits(topo, args, world_size)
+    try:
+        return apply_launch_env(topo, nodes=args.nodes, world_size=world_size, inter_node_gbps=args.inter_node_gbps)
+    except (TopologyError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_world_fits(topo: Any, args: argparse.Namespace, world_size: Optional[int]) -> None:
+    """A world size the topology's GPUs per node cannot hold over the nodes given, named in the flags' words (the
+    library's own error speaks of its ``nodes=`` argument). Node counts from the launcher are left to it."""
+    if world_size is None or (args.nodes is None and "LOCAL_WORLD_SIZE" in os.environ):
+        return
+    nodes = args.nodes if args.nodes is not None else topo.nodes
+    have = topo.gpus_per_node
+    if world_size % nodes or world_size // nodes <= have:
+        return
+    fits = next(n for n in range(-(-world_size // have), world_size + 1) if world_size % n == 0)
+    given = f"--nodes {args.nodes}" if args.nodes is not None else f"{nodes} node(s)"
+    other = " (or a smaller --world-size)" if args.world_size is not None else ""
+    raise UsageError(f"world size {world_size} over {given} needs {world_size // nodes} GPUs per node, but topology "
+                     f"{topo.name!r} has {have}: pass --nodes {fits}{other}")
+
+
+def _sizes(args: argparse.Namespace, comm_dtype: str) -> List[int]:
+    if args.min_bytes > args.max_bytes:
+        raise UsageError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
+    try:
+        sizes = default_sizes(args.min_bytes, args.max_bytes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if sizes[-1] < dtype_size(comm_dtype):
+        raise UsageError(f"--max-bytes {args.max_bytes} is less than one {comm_dtype} element")
+    return sizes
+
+
+def _check_tuner_csv(args: argparse.Namespace, topo: Any, backend: str) -> None:
+    """Before measuring: can the measured profile become NCCL's tuner CSV? It needs the cost model's protocol per
+    range, hence an NCCL measurement and a topology the model can describe."""
+    if not args.nccl_tuner_csv:
+        return
+    if backend != "nccl":
+        raise UsageError(f"--nccl-tuner-csv needs NCCL's protocols; backend {backend} has none (use --backend nccl, "
+                         "or --model-only)")
+    if topo is None:
+        raise UsageError("--nccl-tuner-csv needs a protocol per range, guessed by the cost model from the topology: "
+                         "pass --topology")
+    try:
+        cm.Fabric.from_topology(topo)
+    except ValueError as e:
+        raise UsageError(f"--nccl-tuner-csv needs the cost model's protocols: {e}") from None
+
+
+def _writes_cache(args: argparse.Namespace) -> bool:
+    """Does this process write the cache? Under torchrun, rank 0 and the first process of each other node do."""
+    if args.no_cache:
+        return False
+    return not _under_torchrun() or os.environ.get("RANK") == "0" or os.environ.get("LOCAL_RANK") == "0"
+
+
+def _writes_files(args: argparse.Namespace) -> bool:
+    """Does this process write --out and --nccl-tuner-csv? Rank 0 does (it reports)."""
+    return not _under_torchrun() or os.environ.get("RANK") == "0"
+
+
+def _check_outputs(args: argparse.Namespace, profile: Any = None) -> None:
+    """Every output this process will write can be written: UsageError naming the first that cannot, before any is
+    written (and, called without a profile, before measuring). A path must be new (its folders are made) or a
+    regular file: never a symlink, directory, device or FIFO (``ddp_triton.safe_write``)."""
+    if _writes_cache(args):
+        try:
+            check_cache_writable(profile)
+        except ProfileError as e:
+            xdg = os.environ.get("XDG_CACHE_HOME")
+            where = f"XDG_CACHE_HOME={xdg}" if xdg else f"the cache is {cache_dir()}"
+            raise UsageError(f"{e} ({where}; or pass --no-cache)") from None
+    if not _writes_files(args):
+        return
+    named = [(flag, path) for flag, path in (("--out", args.out), ("--nccl-tuner-csv", args.nccl_tuner_csv))
+             if path is not None]
+    for flag, path in named:
+        try:
+            check_writable_target(path)
+        except OutputError as e:
+            raise UsageError(f"{flag} {e}") from None
+    if len(named) == 2 and os.path.abspath(named[0][1]) == os.path.abspath(named[1][1]):
+        raise UsageError(f"--out and --nccl-tuner-csv name the same file {named[0][1]}")
+
+
+def _emit(profile: Any, args: argparse.Namespace) -> int:
+    """Write the profile where asked: cache, --out, --nccl-tuner-csv, stdout. Everything is rendered and every
+    output checked before the first is written."""
+    human = sys.stderr if args.json else sys.stdout
+    csv_text = None
+    if args.nccl_tuner_csv:
+        try:
+            csv_text = nccl_tuner_csv_text(profile)
+        except ValueError as e:
+            raise UsageError(f"--nccl-tuner-csv: {e}") from None
+    _check_outputs(args, profile)
+    written = []
+    try:
+        if not args.no_cache:
+            cached = save_to_cache(profile)
+            if cached is not None:
+                written.append(cached)
+            else:
+                print("not cached: no topology fingerprint", file=human)
+        if args.out:
+            written.append(profile.save(args.out))
+        if csv_text is not None:
+            written.append(atomic_write_text(args.nccl_tuner_csv, csv_text))
+    except (ProfileError, OutputError) as e:
+        done = f" (written before it: {', '.join(map(str, written))})" if written else ""
+        raise WriteFailed(f"{e}{done}") from None
+    if args.json:
+        print(profile.to_json())
+    else:
+        print(profile.summary())
+    for p in written:
+        print(f"wrote {p}", file=human)
+    return EXIT_OK
+
+
+def _common_profile_kwargs(args: argparse.Namespace) -> dict:
+    return {"fraction": args.fraction, "model_bytes": args.model_bytes, "min_buckets": args.min_buckets}
+
+
+def cmd_autotune(args: argparse.Namespace) -> int:
+    """``ddp-triton autotune``: check the usage and every output, then model or measure, then write."""
+    try:
+        comm_dtype = normalize_dtype(args.comm_dtype)
+        dtypes = [normalize_dtype(d) for d in args.dtypes] if args.dtypes else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if comm_dtype not in COMM_DTYPE_NAMES:
+        raise UsageError(f"--comm-dtype {args.comm_dtype}: the hook all-reduces in {', '.join(COMM_DTYPE_NAMES)} "
+                         "only (--dtypes may time others)")
+    if args.algorithms:
+        bad = [a for a in args.algorithms if a not in cm.ALGORITHMS]
+        if bad:
+            raise UsageError(f"unknown algorithm(s) {bad}; known: {', '.join(cm.ALGORITHMS)}")
+    bad_hooks = [h for h in args.hooks if h not in E2E_HOOKS]
+    if bad_hooks:
+        raise UsageError(f"unknown hook(s) {bad_hooks}; known: {', '.join(E2E_HOOKS)}")
+    modes = [m for m, on in (("--model-only", args.model_only), ("--e2e", args.e2e)) if on]
+    if len(modes) > 1:
+        raise UsageError(f"{' and '.join(modes)} exclude each other")
+    _check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
+    if args.model_only:
+        return _autotune_model(args, comm_dtype)
+    return _autotune_distributed(args, comm_dtype, dtypes)
+
+
+def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
+    topo = _launch_topology(args, args.world_size, required=True)
+    try:
+        prof = profiles.model_profile(topo, comm_dtype=comm_dtype, sizes=_sizes(args, comm_dtype),
+                             **_common_profile_kwargs(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return _emit(prof, args)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    """The backend to measure on: ``--backend``, else NCCL where CUDA GPUs are; UsageError where it cannot run."""
+    backend = args.backend
+    if backend is None:
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise UsageError("no CUDA GPU with NCCL here: use --model-only (with --topology), or --backend gloo "
+                             "--nproc N to time CPU processes")
+        backend = "nccl"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs CUDA GPUs; none are visible")
+    if args.algorithms and not args.e2e:
+        if backend != "nccl" and args.algorithms != ["ring"]:
+            raise UsageError(f"backend {backend} has one all-reduce algorithm (recorded as ring); "
+                             f"cannot sweep {','.join(args.algorithms)}")
+        if backend == "nccl":
+            try:
+                check_nccl_support(args.algorithms, nccl_version())
+            except RuntimeError as e:
+                raise UsageError(str(e)) from None
+    return backend
+
+
+def _processes(args: argparse.Namespace, backend: str) -> Tuple[Optional[int], int]:
+    """(processes to spawn, or None under torchrun; the world size they make)."""
+    if _under_torchrun():
+        nproc, world = None, int(os.environ["WORLD_SIZE"])
+    else:
+        nproc = args.nproc or (torch.cuda.device_count() if backend == "nccl" else 1)
+        if backend == "nccl" and nproc > torch.cuda.device_count():
+            raise UsageError(f"--nproc {nproc} but only {torch.cuda.device_count()} GPUs are visible")
+        world = nproc
+    if args.world_size is not None and args.world_size != world:
+        raise UsageError(f"--world-size {args.world_size} does not match the {world} processes that will run "
+                         "(set --nproc, or the launcher's world size)")
+    return nproc, world
+
+
+def _e2e_config(args: argparse.Namespace, topo: Any, world: int, backend: str, comm_dtype: str,
+                sizes: List[int]) -> Dict[str, Any]:
+    """What every e2e worker runs: the factory, the base profile, the candidates."""
+    try:
+        load_factory(args.e2e)  # fail here, with exit 2, rather than in every worker
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    base = tuner.e2e_base_profile(topo, world, comm_dtype, backend, sizes=sizes, **_common_profile_kwargs(args))
+    if args.nccl_tuner_csv and any(t.protocol is None for t in base.table):
+        raise UsageError("--nccl-tuner-csv needs a protocol per range; the base profile e2e mode starts from "
+                         "has none (no topology the cost model can describe, or a cached profile measured "
+                         "without one): pass --topology (and --inter-node-gbps for several nodes), or make the "
+                         "CSV with --model-only")
+    return {"factory": args.e2e, "base": base.to_dict(), "bucket_mbs": args.buckets, "hooks": args.hooks,
+            "warmup": args.warmup if args.warmup is not None else 3, "steps": args.steps}
+
+
+def _measure_config(args: argparse.Namespace, topo: Any, backend: str, comm_dtype: str,
+                    dtypes: Optional[List[str]], sizes: List[int]) -> Dict[str, Any]:
+    """What every measuring worker runs: the sweep's plan."""
+    _check_tuner_csv(args, topo, backend)
+    return {"topology": topo.to_dict() if topo is not None else None, "sizes": sizes,
+            "algorithms": args.algorithms, "comm_dtype": comm_dtype, "dtypes": dtypes,
+            "warmup": args.warmup if args.warmup is not None else 5, "iters": args.iters,
+            "progress": not args.no_progress, **_common_profile_kwargs(args)}
+
+
+def _run_workers(worker_name: str, config: Dict[str, Any], nproc: Optional[int], backend: str,
+                 args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """Run ``tune.autotune.<worker_name>`` on every process: in place (under torchrun, or one process) or spawned.
+    Rank 0's profile dict; None on the other ranks of a torchrun job (rank 0 reports)."""
+    if nproc is not None and nproc > 1:
+        return processes.spawn_local(f"ddp_triton.tune.autotune:{worker_name}", nproc, backend, (config,),
+                                     timeout_s=args.timeout)
+    torchrun = nproc is None
+    created = processes.init_in_place(backend)
+    try:
+        result = getattr(tuner, worker_name)(config)
+        if torchrun:  # rank 0's profile, cached on every node for the hook's profile="auto"
+            result, _ = tuner.share_profile(result, cache=not args.no_cache)
+    except BaseException:
+        if created:
+            dist.destroy_process_group()  # no barrier: the other ranks may never reach one
+        raise
+    if created:
+        processes.leave_process_group()
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return None
+    return result
+
+
+def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Optional[List[str]]) -> int:
+    backend = _backend(args)
+    nproc, world = _processes(args, backend)
+    topo = _launch_topology(args, world, required=False)
+    sizes = _sizes(args, comm_dtype)
+    if args.e2e:
+        worker, config = "e2e_worker", _e2e_config(args, topo, world, backend, comm_dtype, sizes)
+    else:
+        worker, config = "measure_worker", _measure_config(args, topo, backend, comm_dtype, dtypes, sizes)
+    # Usage was checked above: from here on, any error (ValueError included) is a failure while measuring.
+    try:
+        result = _run_workers(worker, config, nproc, backend, args)
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:  # a failure while measuring: report it whole, exit 1
+        print(f"ddp-triton: autotune failed: {e.__class__.__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if result is None:
+        return EXIT_OK  # another rank of a torchrun job: rank 0 reports
+    return _emit(Profile.from_dict(result), args)

@@ -1,0 +1,48 @@
+"""The tuning profile: which NCCL algorithm each all-reduce size should use, and the DDP bucket size.
+
+- `schema`: `Profile` and its rows, validated JSON (the schema is in its docstring), `ddp_kwargs`.
+- `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
+- `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model.
+"""
+
+from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_MAX_BUCKET_MB, DEFAULT_TIE_TOLERANCE, build_table,
+                    cached_or_model_profile, choose_bucket_cap_mb, fallback_profile, model_profile,
+                    profile_from_rows, rows_for_dtype)
+from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
+                    profile_fingerprint, save_to_cache)
+from .schema import (BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, MiB, Profile, ProfileError, SweepRow,
+                     TableEntry, ddp_kwargs, format_bytes, load_profile, now_iso)
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_FRACTION",
+    "DEFAULT_GRAD_DTYPE",
+    "DEFAULT_MAX_BUCKET_MB",
+    "DEFAULT_MIN_BUCKETS",
+    "DEFAULT_TIE_TOLERANCE",
+    "MiB",
+    "Profile",
+    "ProfileError",
+    "SCHEMA_VERSION",
+    "SOURCES",
+    "SweepRow",
+    "TableEntry",
+    "build_table",
+    "cache_dir",
+    "cache_path",
+    "cache_path_of",
+    "cached_or_model_profile",
+    "check_cache_writable",
+    "choose_bucket_cap_mb",
+    "ddp_kwargs",
+    "fallback_profile",
+    "find_cached_profile",
+    "format_bytes",
+    "load_profile",
+    "model_profile",
+    "now_iso",
+    "profile_fingerprint",
+    "profile_from_rows",
+    "rows_for_dtype",
+    "save_to_cache",
+]

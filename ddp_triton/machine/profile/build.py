@@ -1,0 +1,211 @@
+"""Making a profile: the table and bucket size from sweep rows, and a whole profile from rows or from the cost model.
+
+* ``build_table``: the fastest algorithm per size as contiguous ranges; ``choose_bucket_cap_mb``: DDP's bucket size.
+* ``profile_from_rows``: a profile from timed or modelled rows; ``model_profile(topo)``: the cost model's, no GPU
+  needed; ``fallback_profile``: one ring range, for a machine the model cannot describe.
+* ``cached_or_model_profile``: this machine's cached profile, else the cost model's (the hook and ``autotune --e2e``
+  both start from it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ...dtypes import dtype_size, normalize_dtype
+from ...versions import software_versions
+from .. import cost_model as cm
+from ..cost_model import ALGORITHMS
+from .cache import find_cached_profile, profile_fingerprint
+from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, SweepRow, TableEntry, format_bytes
+
+#: Default fraction of the best busbw a bucket's all-reduce must reach (the issue's 90%).
+DEFAULT_FRACTION = 0.9
+#: Largest bucket_cap_mb chosen when the model's size is unknown. Bandwidth alone points at 128-512 MiB (90% of the
+#: best busbw is reached only near the 1 GiB end of the sweep), one bucket for most models and no overlap with
+#: backward. 64 MiB keeps a model of a few hundred MB split into several buckets; --model-bytes or
+#: ddp_kwargs(profile, model) bound it by the real model instead.
+DEFAULT_MAX_BUCKET_MB = 64.0
+#: Two algorithms within this fraction of each other at a size count as tied; the table then keeps the algorithm of
+#: the previous size, which avoids flapping between near-equal algorithms on measurement noise (and extra groups).
+DEFAULT_TIE_TOLERANCE = 0.03
+#: dtype of the gradients DDP buckets hold; bucket_cap_mb counts those bytes.
+DEFAULT_GRAD_DTYPE = "float32"
+
+
+def _as_rows(rows: Iterable[Union[SweepRow, Mapping[str, Any]]]) -> List[SweepRow]:
+    return [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
+
+
+def build_table(rows: Iterable[Union[SweepRow, Mapping[str, Any]]],
+                tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+                protocol_of: Optional[Callable[[str, int], Optional[str]]] = None) -> List[TableEntry]:
+    """Ranges of the fastest algorithm per swept size.
+
+    A size between two swept sizes a < b follows a up to floor(sqrt(a*b)) (the geometric midpoint) and b above it.
+    Where the previous size's algorithm is within ``tie_tolerance`` of the fastest it is kept, so that noise does
+    not alternate algorithms. Each range carries the row's protocol, else ``protocol_of(algorithm, bytes)`` (the
+    model's guess for measured rows), else None; ranges split where the protocol changes.
+    """
+    by_size: Dict[int, List[SweepRow]] = {}
+    for r in _as_rows(rows):
+        by_size.setdefault(r.nbytes, []).append(r)
+    if not by_size:
+        raise ValueError("no sweep rows to build a table from")
+    sizes = sorted(by_size)
+    picks: List[SweepRow] = []
+    for s in sizes:
+        fastest = min(by_size[s], key=lambda r: (r.time_us, ALGORITHMS.index(r.algorithm)))
+        if picks:
+            same = [r for r in by_size[s] if r.algorithm == picks[-1].algorithm]
+            if same and same[0].time_us <= fastest.time_us * (1.0 + tie_tolerance):
+                fastest = same[0]
+        picks.append(fastest)
+    table: List[TableEntry] = []
+    for i, (s, r) in enumerate(zip(sizes, picks)):
+        hi = math.isqrt(s * sizes[i + 1]) if i + 1 < len(sizes) else None
+        proto = r.protocol if r.protocol is not None else (protocol_of(r.algorithm, s) if protocol_of else None)
+        if table and table[-1].algorithm == r.algorithm and table[-1].protocol == proto:
+            table[-1].max_bytes = hi
+        else:
+            lo = 0 if not table else table[-1].max_bytes + 1  # type: ignore[operator]
+            table.append(TableEntry(lo, hi, r.algorithm, proto))
+    return table
+
+
+def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fraction: float = DEFAULT_FRACTION,
+                         model_bytes: Optional[int] = None, min_buckets: int = DEFAULT_MIN_BUCKETS,
+                         comm_ratio: float = 1.0) -> Tuple[float, str]:
+    """DDP ``bucket_cap_mb`` and the reason for it.
+
+    The smallest swept all-reduce size whose best busbw reaches ``fraction`` of the best busbw of the sweep: larger
+    buckets gain little bandwidth but delay the first all-reduce and shrink overlap with backward. ``comm_ratio`` is
+    bytes sent per gradient byte (0.5 for fp32 gradients sent as bf16), since DDP counts bucket size in gradient
+    bytes. With ``model_bytes`` (gradient bytes of the model), the cap is lowered so the model still splits into at
+    least ``min_buckets`` buckets; without it, the cap is at most ``DEFAULT_MAX_BUCKET_MB``.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    if min_buckets < 1:
+        raise ValueError(f"min_buckets must be >= 1, got {min_buckets!r}")
+    if not comm_ratio > 0:
+        raise ValueError(f"comm_ratio must be > 0, got {comm_ratio!r}")
+    if model_bytes is not None and model_bytes <= 0:
+        raise ValueError(f"model_bytes must be > 0, got {model_bytes!r}")
+    best: Dict[int, SweepRow] = {}
+    for r in _as_rows(rows):
+        if r.nbytes not in best or r.busbw_gbps > best[r.nbytes].busbw_gbps:
+            best[r.nbytes] = r
+    if not best:
+        raise ValueError("no sweep rows to choose a bucket size from")
+    peak = max(best.values(), key=lambda r: r.busbw_gbps)
+    if peak.busbw_gbps <= 0:
+        # One rank: nothing crosses a wire, bandwidth says nothing. Keep DDP's default.
+        return 25.0, "one rank (busbw 0 everywhere): DDP's default 25 MiB"
+    target = fraction * peak.busbw_gbps
+    chosen = next(best[s] for s in sorted(best) if best[s].busbw_gbps >= target)
+    bucket_bytes = chosen.nbytes / comm_ratio
+    reason = (f"smallest all-reduce reaching {fraction:.0%} of the best busbw ({peak.busbw_gbps:.1f} GB/s at "
+              f"{format_bytes(peak.nbytes)}): {format_bytes(chosen.nbytes)} at {chosen.busbw_gbps:.1f} GB/s "
+              f"({chosen.algorithm})")
+    if comm_ratio != 1.0:
+        reason += f"; {comm_ratio:g} bytes sent per gradient byte -> {format_bytes(bucket_bytes)} of gradients"
+    if model_bytes is not None:
+        bound = model_bytes / min_buckets
+        if bucket_bytes > bound:
+            bucket_bytes = bound
+            reason += (f"; lowered to {format_bytes(bound)} so the {format_bytes(model_bytes)} of gradients split "
+                       f"into {min_buckets} buckets that overlap backward")
+    elif bucket_bytes > DEFAULT_MAX_BUCKET_MB * MiB:
+        bucket_bytes = DEFAULT_MAX_BUCKET_MB * MiB
+        reason += (f"; model size unknown: capped at {DEFAULT_MAX_BUCKET_MB:g} MiB so a model of a few hundred MB "
+                   "still splits into several buckets that overlap backward (--model-bytes, or "
+                   "ddp_kwargs(profile, model), bounds it by the real model)")
+    else:
+        reason += "; model size unknown (--model-bytes, or ddp_kwargs(profile, model), bounds it by the real model)"
+    mb = float(f"{bucket_bytes / MiB:.4g}")
+    return mb, reason
+
+
+def rows_for_dtype(rows: Sequence[SweepRow], comm_dtype: str) -> List[SweepRow]:
+    """The rows measured in ``comm_dtype`` (rows without a dtype count as comm_dtype)."""
+    dt = normalize_dtype(comm_dtype)
+    return [r for r in rows if r.dtype in (None, dt)]
+
+
+def _protocol_guesser(topo: Any, comm_dtype: str) -> Optional[Callable[[str, int], Optional[str]]]:
+    """The cost model's protocol per (algorithm, bytes) for this topology, or None if it cannot model it."""
+    if topo is None:
+        return None
+    try:
+        fabric = cm.Fabric.from_topology(topo)
+    except ValueError:
+        return None
+
+    def guess(algorithm: str, nbytes: int) -> Optional[str]:
+        try:
+            return cm.estimate(fabric, nbytes, algorithm, comm_dtype).protocol
+        except ValueError:
+            return None
+
+    return guess
+
+
+def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source: str, backend: str,
+                      world_size: int, nodes: int, comm_dtype: str, topo: Any = None,
+                      fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
+                      min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
+                      notes: Optional[List[str]] = None) -> Profile:
+    """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``."""
+    all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
+    comm_rows = rows_for_dtype(all_rows, comm_dtype)
+    if not comm_rows:
+        raise ValueError(f"no sweep rows in comm dtype {comm_dtype}")
+    # Protocols are NCCL's; a gloo measurement has none to guess.
+    guesser = _protocol_guesser(topo, comm_dtype) if backend in ("nccl", "model") else None
+    table = build_table(comm_rows, protocol_of=guesser)
+    mb, reason = choose_bucket_cap_mb(comm_rows, fraction=fraction, model_bytes=model_bytes,
+                                      min_buckets=min_buckets,
+                                      comm_ratio=dtype_size(comm_dtype) / dtype_size(grad_dtype))
+    return Profile(source=source, backend=backend, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
+                   bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
+                   topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
+                   topology_name=topo.name if topo is not None else "", versions=software_versions(),
+                   notes=list(notes or []))
+
+
+def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Sequence[int]] = None,
+                  fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
+                  min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE) -> Profile:
+    """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env)."""
+    comm_dtype = normalize_dtype(comm_dtype)
+    fabric = cm.Fabric.from_topology(topo)
+    sizes = list(sizes) if sizes is not None else cm.default_sizes()
+    sizes = [s for s in sizes if s % dtype_size(comm_dtype) == 0]
+    rows = [e.row(comm_dtype) for e in cm.sweep(fabric, sizes, comm_dtype)]
+    notes = [f"cost model: {fabric.ranks_per_node} ranks x {fabric.nodes} node(s), intra {fabric.intra_gbps:g} GB/s "
+             f"{fabric.intra_link}, inter {fabric.inter_gbps:g} GB/s per node, {fabric.arch}"]
+    return profile_from_rows(rows, source="model", backend="model", world_size=fabric.world_size,
+                             nodes=fabric.nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
+                             model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes)
+
+
+def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str) -> Profile:
+    """A one-range ring profile, for e2e on a machine the model cannot describe (no topology)."""
+    return Profile(source="model", backend=backend if backend in ("nccl", "gloo") else "model",
+                   world_size=world_size, nodes=nodes, comm_dtype=comm_dtype, bucket_cap_mb=25.0,
+                   bucket_reason="no topology to model: DDP's default 25 MiB", table=[TableEntry(0, None, "ring")],
+                   versions=software_versions(), notes=["no topology: one range, ring"])
+
+
+def cached_or_model_profile(topo: Any, world_size: int, comm_dtype: str, **model_kwargs: Any) -> Optional[Profile]:
+    """This machine's cached profile for the run (``find_cached_profile``), else the cost model's for ``topo``, else
+    None (the model cannot describe it: several nodes and no inter-node rate, say). ``model_kwargs`` go to
+    ``model_profile``."""
+    cached = find_cached_profile(profile_fingerprint(topo), world_size, topo.nodes, comm_dtype)
+    if cached is not None:
+        return cached
+    try:
+        return model_profile(topo, comm_dtype=comm_dtype, **model_kwargs)
+    except ValueError:
+        return None
