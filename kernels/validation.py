@@ -7,7 +7,7 @@ from typing import List, Sequence
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .dtypes import SUPPORTED_DTYPES
 
 
 def _describe(dtype: torch.dtype) -> str:
@@ -31,6 +31,12 @@ def check_scale(scale: float) -> float:
     return scale
 
 
+def check_device(device: torch.device, what: str) -> None:
+    """ValueError unless ``device`` holds real memory the kernels can convert: CPU or CUDA (not meta, not others)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} is on {device}; pack and unpack convert CPU or CUDA tensors")
+
+
 def check_tensor_list(tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
     """The tensors as a list, all dense, contiguous, of one supported dtype and on one device."""
     if isinstance(tensors, torch.Tensor):
@@ -46,6 +52,7 @@ def check_tensor_list(tensors: Sequence[torch.Tensor], what: str) -> List[torch.
             raise TypeError(
                 f"{what} mix dtypes: {what}[0] is {_describe(tensors[0].dtype)}, {what}[{i}] is {_describe(t.dtype)}"
             )
+        check_device(t.device, f"{what}[{i}]")
         if t.device != tensors[0].device:
             raise ValueError(f"{what} mix devices: {what}[0] is on {tensors[0].device}, {what}[{i}] on {t.device}")
         if not t.is_contiguous():
@@ -60,6 +67,7 @@ def check_flat(flat: torch.Tensor, what: str, numel: int, tensors: Sequence[torc
     if flat.layout != torch.strided:
         raise TypeError(f"{what} has layout {flat.layout}; only dense (strided) tensors are supported")
     check_dtype(flat.dtype, what)
+    check_device(flat.device, what)
     if flat.dim() != 1:
         raise ValueError(f"{what} must be 1-D, got shape {tuple(flat.shape)}")
     if not flat.is_contiguous():
