@@ -1,0 +1,118 @@
+"""The package's layout: no import cycle anywhere, and the benchmarks use public names only.
+
+Tier: no device. The layers themselves are import-linter's contracts in pyproject.toml (``lint-imports``, run by
+.ci/run); this checks what a contract cannot say: that no module, in any layer, takes part in an import cycle, with
+imports inside functions counted as well.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter: pip install -e '.[test]'")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cycles(graph, modules):
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(start):
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start) & modules)))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.find_modules_directly_imported_by(nxt) & modules))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        component.append(m)
+                        if m == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def _graph():
+    import sys
+
+    sys.path.insert(0, str(REPO))  # `kernels` as the checkout has it (installed as ddp_triton.kernels)
+    try:
+        return grimp.build_graph("ddp_triton", "kernels", cache_dir=None)
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    modules = {m for m in graph.modules if m.split(".")[0] in ("ddp_triton", "kernels")}
+    assert "ddp_triton.runtime.state" in modules and "kernels.pack" in modules  # the graph is the package's
+    # A package's __init__ that re-exports its modules, and a module of it that imports a sibling through the
+    # package (`from . import nvml`), are one import in Python's eyes, not a cycle: such edges are left out.
+    plain = {m for m in modules}
+
+    class Edges:
+        def find_modules_directly_imported_by(self, m):
+            return {t for t in graph.find_modules_directly_imported_by(m) if not m.startswith(t + ".")}
+
+    assert _cycles(Edges(), plain) == []
+
+
+def test_cycle_finder_finds_one():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+
+    class Fake:
+        def find_modules_directly_imported_by(self, m):
+            return set(edges.get(m, ()))
+
+    assert _cycles(Fake(), set(edges) | {"c"}) == [["a", "b", "c"]]
+
+
+def test_bench_imports_public_names_only():
+    """bench/ is outside the package: it uses what a user could, no ``_private`` name or module of ddp_triton."""
+    private = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_triton"):
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("ddp_triton")]
+            else:
+                continue
+            private += [f"{path.name}:{node.lineno}: {n}" for n in names
+                        if any(part.startswith("_") for part in n.split("."))]
+    assert private == []
+
+
+@pytest.mark.parametrize("old,new", [("ddp_triton.topology", "ddp_triton.machine.topology"),
+                                     ("ddp_triton.profile", "ddp_triton.machine.profile")])
+def test_old_import_paths_still_work(old, new):
+    import importlib
+
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    assert old_module.__all__ == new_module.__all__
+    for name in new_module.__all__:
+        assert getattr(old_module, name) is getattr(new_module, name), name
