@@ -21,7 +21,7 @@ Where the numbers come from (facts read from public sources, not code):
   line rate ... NCCL can get an effective NVLink bandwidth of 370GB/s" (NVIDIA/nccl-tests#212).
 * NVLS throughput: the same comment gives 8 x H100 with NVLink SHARP "a peak busBw of ~480GB/s (algbw ~275GB/s)",
   i.e. algbw = 0.61 of the 450 GB/s line rate. H800 (200 GB/s NVLink) was reported at 215 GB/s busbw
-  (NVIDIA/nccl#1374), the same fraction; ``tests/test_cost_model.py`` checks both. Blackwell scales it by NCCL's
+  (NVIDIA/nccl#1374), the same fraction; ``tests/machine/test_cost_model.py`` checks both. Blackwell scales it by NCCL's
   ``nvlsEfficiency`` ratio (0.74 Blackwell / 0.85 Hopper, tuning.cc).
 
 Traffic per algorithm (what turns link rates into algbw):

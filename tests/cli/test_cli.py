@@ -19,7 +19,7 @@ import torch
 from ddp_triton.cli import main, parse_size
 from ddp_triton.machine.profile import Profile, cache_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ def no_measuring(monkeypatch):
 @pytest.mark.parametrize("argv,says", [
     pytest.param(["--nproc", "2", "--topology", "dgx-h100", "--nccl-tuner-csv", "t.csv"], "backend gloo",
                  id="tuner-csv-from-gloo"),
-    pytest.param(["--nproc", "1", "--e2e", "test_autotune:tiny_factory", "--nccl-tuner-csv", "t.csv"],
+    pytest.param(["--nproc", "1", "--e2e", "factories:tiny_factory", "--nccl-tuner-csv", "t.csv"],
                  "protocol per range", id="tuner-csv-e2e-without-topology"),
     pytest.param(["--nproc", "1", "--comm-dtype", "int8"], "--comm-dtype int8", id="comm-dtype-int8"),
     pytest.param(["--nproc", "2", "--comm-dtype", "float8_e4m3fn"], "bfloat16, float16, float32",

@@ -18,6 +18,7 @@ import torch
 
 import nvml_fakes
 from dist_utils import run_workers
+from factories import tiny_factory
 from ddp_triton.tune import autotune
 from ddp_triton.machine import cost_model as cm
 from ddp_triton.machine.profile import Profile, TableEntry, cache_path, fallback_profile, model_profile
@@ -27,19 +28,7 @@ from ddp_triton.tune.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default
 from ddp_triton.tune.step_timing import e2e_bucket_candidates, load_factory
 from ddp_triton.tune.sweep import format_rows
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_factory():
-    """e2e contract: () -> (model, loss_fn(model) -> scalar loss)."""
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-
-    def loss_fn(m):
-        device = next(m.parameters()).device
-        x = torch.randn(16, 32, device=device)
-        return m(x).square().mean()
-
-    return model, loss_fn
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -143,8 +132,8 @@ def test_load_factory_errors():
     with pytest.raises(ValueError, match="cannot import"):
         load_factory("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="no function"):
-        load_factory("test_autotune:missing")
-    assert load_factory("test_autotune:tiny_factory") is tiny_factory
+        load_factory("factories:missing")
+    assert load_factory("factories:tiny_factory") is tiny_factory
 
 
 def test_format_rows_nccl_tests_columns():
@@ -172,7 +161,7 @@ def _measure_and_e2e(rank: int, world: int, out_dir: str) -> None:
     assert any("one all-reduce algorithm" in n for n in p.notes)
     assert p.table == [TableEntry(0, None, "ring", None)]
 
-    e = e2e_profile("test_autotune:tiny_factory", p, bucket_mbs=[0.001, 1.0], hooks=["allreduce", "bf16_compress"],
+    e = e2e_profile("factories:tiny_factory", p, bucket_mbs=[0.001, 1.0], hooks=["allreduce", "bf16_compress"],
                     warmup=1, steps=2)
     assert e.source == "e2e" and e.table == p.table
     cands = e.e2e["candidates"]
@@ -214,7 +203,7 @@ def _ranks_disagree(rank: int, world: int) -> None:
     base = fallback_profile(2, 1, "float32", "gloo")
     if rank != 0:
         base = Profile.from_dict(dict(base.to_dict(), bucket_cap_mb=99.0, notes=["rank 1's own base"]))
-    e = e2e_profile("test_autotune:tiny_factory", base, bucket_mbs=[0.001] if rank == 0 else [1.0, 2.0],
+    e = e2e_profile("factories:tiny_factory", base, bucket_mbs=[0.001] if rank == 0 else [1.0, 2.0],
                     hooks=["allreduce"], warmup=1 if rank == 0 else 0, steps=2 if rank == 0 else 3)
     assert [(c["hook"], c["bucket_cap_mb"]) for c in e.e2e["candidates"]] == [("allreduce", 0.001)]
     assert (e.e2e["warmup"], e.e2e["steps"]) == (1, 2)
