@@ -25,7 +25,7 @@ def _torch_info() -> Dict[str, Any]:
         "cuda_devices": [],
         "torch_error": None,
     }
-    try:
+    try:  # here, not at the top: a torch that fails to import is a finding to report, not a crash
         import torch
     except Exception as e:
         out["torch_error"] = describe_error(e)

@@ -88,6 +88,8 @@ def average_grad(state: Any, grad: torch.Tensor) -> Any:
     if grad.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton_hook got a gradient of dtype {grad.dtype}; supported are float32, bfloat16 and "
                         "float16")
+    # Here, not at the top: only this compiled-autograd path needs torch's functional collectives (a private
+    # module that registers its own ops on import); the bucket path never loads it.
     from torch.distributed import _functional_collectives as fcol
 
     pre, post = split_average(group.size(), comm_dtype)

@@ -17,6 +17,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..log import warn_once
 
@@ -60,8 +61,6 @@ def spawn_local(fn_path: str, nprocs: int, backend: str, args: Sequence[Any] = (
     Raises the first worker's exception (with its traceback in the message); kills every worker and raises
     TimeoutError after ``timeout_s``.
     """
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="ddp-triton-") as tmp:
         store_path = os.path.join(tmp, "store")
         result_path = os.path.join(tmp, "result.json")

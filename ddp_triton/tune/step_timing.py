@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..machine.profile import Profile
 from .processes import comm_device
@@ -55,8 +57,6 @@ def _register_hook(ddp: Any, hook: str, profile_dict: Optional[Dict[str, Any]]) 
     if hook == "allreduce":
         return
     if hook == "bf16_compress":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return
     if hook == "triton":
@@ -102,8 +102,6 @@ def run_e2e(factory_spec: str, bucket_mbs: Optional[Sequence[float]], hooks: Seq
     with its reason (the hook's own checks, e.g. torch's bf16 hook wants CUDA and NCCL); an error inside a step is
     raised (it would leave the ranks out of step).
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     device = comm_device()
     factory = load_factory(factory_spec)
     made = factory()
