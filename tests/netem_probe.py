@@ -1,0 +1,111 @@
+"""A rank program for tests/test_netem.py, started by ``python -m bench.cluster`` on every rank.
+
+    python tests/netem_probe.py env                                    # no torch: the launch variables
+    python tests/netem_probe.py allreduce --numel 2097152 --dtypes float32,bfloat16 --iters 3
+    python tests/netem_probe.py pingpong --iters 20                    # rank 0 <-> the last rank, 4 bytes
+    python tests/netem_probe.py fail --code 3                          # exit 3 (rank 1), others sleep
+    python tests/netem_probe.py sleep --seconds 60                     # prints its pid, then sleeps
+
+Each rank prints one line ``PROBE {json}``; the test reads them from bench.cluster's output. Times are wall-clock
+seconds per collective, measured after a barrier so that the ranks start it together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME",
+               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def report(**fields) -> None:
+    print("PROBE " + json.dumps(fields), flush=True)
+
+
+def init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # env://, as torchrun's workers do
+    return dist
+
+
+def leave(dist) -> None:
+    dist.barrier()
+    # Leave without tearing gloo down: its teardown is not what is tested here (tests/dist_utils.py says why).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def allreduce(args) -> None:
+    import torch
+
+    dist = init()
+    out = {}
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        t = torch.ones(args.numel, dtype=dtype)
+        dist.all_reduce(t)  # warm-up: connections, buffers
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        out[name] = times
+    report(rank=dist.get_rank(), world=dist.get_world_size(), numel=args.numel, times=out)
+    leave(dist)
+
+
+def pingpong(args) -> None:
+    import torch
+
+    dist = init()
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    t = torch.zeros(1, dtype=torch.float32)
+    rtts = []
+    for i in range(args.iters + 2):  # the first two warm the connection up
+        if rank == 0:
+            start = time.perf_counter()
+            dist.send(t, last)
+            dist.recv(t, last)
+            if i >= 2:
+                rtts.append(time.perf_counter() - start)
+        elif rank == last:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+    report(rank=rank, rtts=rtts)
+    leave(dist)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("env", "allreduce", "pingpong", "fail", "sleep"))
+    p.add_argument("--numel", type=int, default=1 << 21, help="elements per all-reduce, in every dtype")
+    p.add_argument("--dtypes", default="float32")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--code", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=60)
+    args = p.parse_args()
+    if args.mode == "env":
+        report(pid=os.getpid(), **{k: os.environ.get(k) for k in LAUNCH_VARS})
+    elif args.mode == "allreduce":
+        allreduce(args)
+    elif args.mode == "pingpong":
+        pingpong(args)
+    elif args.mode == "fail":
+        report(pid=os.getpid(), rank=os.environ.get("RANK"))
+        if os.environ.get("RANK") == "1":
+            sys.exit(args.code)
+        time.sleep(args.seconds)
+    else:
+        report(pid=os.getpid(), rank=os.environ.get("RANK"))
+        time.sleep(args.seconds)
+
+
+if __name__ == "__main__":
+    main()
