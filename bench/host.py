@@ -10,7 +10,7 @@ the direct launcher's call. Stubbed, and only this: the final call into Triton's
 function that parses its arguments and calls cuLaunchKernel) is a Python function that returns at once, and the two
 getters the direct launch calls per launch (torch's current CUDA device and raw stream, C functions of its CUDA
 build) are C builtins that return 0. To take the CUDA path without a GPU, ``uses_triton`` answers True for CPU
-tensors, and the direct launch that a plain call binds (``pack._direct_launch``) or that a bound launch holds
+tensors, and the direct launch that a plain call binds (``pack.direct_launch``) or that a bound launch holds
 (``BoundLaunch._direct``) is a real ``_DirectLaunch`` built around those stubs instead of a compiled kernel. The
 first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top.
 
@@ -74,7 +74,7 @@ def stub_bound(bound: Any) -> Any:
 def cuda_like_path() -> Iterator[None]:
     """CPU tensors take the Triton path down to the stubbed launcher; layouts cached before are forgotten."""
     with mock.patch.object(pack_module, "uses_triton", lambda device: True), \
-            mock.patch.object(pack_module, "_direct_launch", stub_direct_launch):
+            mock.patch.object(pack_module, "direct_launch", stub_direct_launch):
         pack_module.LAYOUTS.clear()
         try:
             yield

@@ -117,8 +117,7 @@ class OneShotLaunches:
         self._lock = threading.Lock()
 
     def __call__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
-        device = args[0].device
-        if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0 or launch_hooks_installed():
+        if not _can_launch_directly(plan, args) or launch_hooks_installed():
             launch(plan, kernel, args, constexprs)
             return
         key = (id(kernel), plan.n_items, plan.num_warps, tuple(_key_of(a) for a in args), tuple(constexprs.items()))
@@ -127,7 +126,7 @@ class OneShotLaunches:
             if entry is not None:
                 self._entries.move_to_end(key)
         if entry is None:
-            direct = _bind_direct(plan, kernel, args, constexprs, device)
+            direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
             if direct is None:
                 launch(plan, kernel, args, constexprs)
                 return
@@ -214,6 +213,19 @@ def _raw_stream_getter() -> Callable[[int], int]:
     if getter is not None:
         return getter
     return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def _can_launch_directly(plan: Plan, args: tuple) -> bool:
+    return args[0].device.type == "cuda" and not _triton.INTERPRETER and plan.n_items > 0
+
+
+def direct_launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> Optional[Callable[[], None]]:
+    """The compiled kernel's direct launch for these argument values, holding no tensor (their addresses are baked
+    in), or None where Triton's launcher must be used: not CUDA, the interpreter, nothing to launch, or no direct
+    launch (self-check failed, or not yet possible inside CUDA graph capture)."""
+    if not _can_launch_directly(plan, args):
+        return None
+    return _bind_direct(plan, kernel, args, constexprs, args[0].device)
 
 
 def _capturing() -> bool:

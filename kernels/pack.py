@@ -16,7 +16,7 @@ import torch
 
 from . import _triton, torch_path
 from .dtypes import BITS_DTYPE, OUT_KIND
-from .launch import ONE_SHOT, BoundLaunch, _bind_direct, kernel_arguments, launch_hooks_installed
+from .launch import ONE_SHOT, BoundLaunch, direct_launch, kernel_arguments, launch_hooks_installed
 from .layouts import LayoutCache, signature
 from .validation import check_flat, check_overlap, check_scale, check_tensor_list
 from .worklist import PLANS, Plan
@@ -74,15 +74,6 @@ def _nothing_to_do(tensors, flat, stats) -> None:
 # ---- plain calls: a launch per layout that holds no tensors -------------------------------------------------------
 
 
-def _direct_launch(plan: Plan, kernel, args: tuple, constexprs: dict) -> Optional[Callable[[], None]]:
-    """The compiled kernel's direct launch for these argument values (no tensor kept: their addresses are baked in),
-    or None where Triton's launcher must be used: not CUDA, the interpreter, nothing to launch, or no direct launch."""
-    device = args[0].device
-    if device.type != "cuda" or _triton.INTERPRETER or plan.n_items == 0:
-        return None
-    return _bind_direct(plan, kernel, args, constexprs, device)
-
-
 class _KernelLayout:
     """A checked layout's kernel launch: the direct launch when there is one, else ONE_SHOT with each call's own
     tensors (``arguments(tensors, flat, stats)`` gives a call's kernel, args and constexprs). With stats, the
@@ -94,7 +85,7 @@ class _KernelLayout:
     def __init__(self, plan: Plan, arguments: Callable[..., tuple], first: tuple,
                  partials: Optional[torch.Tensor] = None) -> None:
         self.plan, self.arguments, self.partials = plan, arguments, partials
-        self.direct = _direct_launch(plan, *first)
+        self.direct = direct_launch(plan, *first)
 
     def __call__(self, tensors, flat, stats) -> None:
         if self.direct is not None and not launch_hooks_installed():  # a profiler sees only Triton's launcher

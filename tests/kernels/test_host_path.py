@@ -261,7 +261,7 @@ def _recording_direct_launch(calls):
 
 def test_repeat_call_replays_the_direct_launch_unless_a_profiler_listens(monkeypatch):
     calls = defaultdict(list)
-    monkeypatch.setattr(pack_module, "_direct_launch", _recording_direct_launch(calls))
+    monkeypatch.setattr(pack_module, "direct_launch", _recording_direct_launch(calls))
     tensors = tensors_of([5, 7])
     out = torch.full((12,), 7.0, dtype=torch.bfloat16)
     pack(tensors, out, 0.5)
@@ -293,7 +293,7 @@ def _in_threads(work, n_threads):
 
 def test_threads_replay_only_their_own_layouts(monkeypatch):
     calls = defaultdict(list)
-    monkeypatch.setattr(pack_module, "_direct_launch", _recording_direct_launch(calls))
+    monkeypatch.setattr(pack_module, "direct_launch", _recording_direct_launch(calls))
     monkeypatch.setattr(pack_module, "LAYOUTS", LayoutCache(capacity=4))  # fewer than the layouts: evictions race
     outs = {}
 
