@@ -1,0 +1,79 @@
+"""Where each block of a block-scaled bucket comes from: the per-tensor block table, padded for sharding.
+
+Each tensor of a bucket is cut into its own blocks of ``BLOCK_ELEMENTS`` (its last block short), so block boundaries
+follow the tensors, not the bucket's offsets. The rows are padded with empty blocks to a multiple of ``n_shards``,
+so that every rank of an all-to-all owns the same number of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from .fp8 import BLOCK_ELEMENTS
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The blocks of a bucket whose tensors have ``sizes`` elements, laid out flat one after another."""
+
+    sizes: tuple
+    n_shards: int
+    table: torch.Tensor = field(repr=False)
+    """int64 (n_rows, 2) on the CPU: each row's (first element in the flat bucket, length); padding rows (0, 0)."""
+    n_blocks: int
+    """Rows that hold data; the rest, up to ``n_rows``, are padding."""
+    _cache: Dict[Any, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_rows(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def rows_per_shard(self) -> int:
+        return self.n_rows // self.n_shards
+
+    @property
+    def n_elements(self) -> int:
+        return sum(self.sizes)
+
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        """The table on ``device`` (copied once per device)."""
+        table = self._cache.get(device)
+        if table is None:
+            table = self._cache[device] = self.table.to(device)
+        return table
+
+    def positions(self) -> torch.Tensor:
+        """int64 (n_elements,): where each element of the flat bucket sits in the (n_rows * BLOCK_ELEMENTS) grid."""
+        cached = self._cache.get("positions")
+        if cached is None:
+            starts, lengths = self.table[: self.n_blocks, 0], self.table[: self.n_blocks, 1]
+            row = torch.repeat_interleave(torch.arange(self.n_blocks), lengths)
+            element = torch.arange(self.n_elements, dtype=torch.int64)
+            cached = self._cache["positions"] = row * BLOCK_ELEMENTS + (element - starts[row])
+        return cached
+
+
+def block_layout(sizes: Sequence[int], n_shards: int, block_elements: Optional[int] = None) -> BlockLayout:
+    """The block table of tensors of ``sizes`` elements packed flat in that order, padded to ``n_shards`` shards."""
+    if isinstance(n_shards, bool) or not isinstance(n_shards, int) or n_shards < 1:
+        raise ValueError(f"n_shards must be a positive int, got {n_shards!r}")
+    block = BLOCK_ELEMENTS if block_elements is None else block_elements
+    if block != BLOCK_ELEMENTS:
+        raise ValueError(f"the kernels use blocks of {BLOCK_ELEMENTS} elements, got {block}")
+    rows = []
+    start = 0
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"sizes must be non-negative ints, got {size!r}")
+        for offset in range(0, size, block):
+            rows.append((start + offset, min(block, size - offset)))
+        start += size
+    n_blocks = len(rows)
+    n_rows = max(1, -(-n_blocks // n_shards)) * n_shards
+    rows.extend([(0, 0)] * (n_rows - n_blocks))
+    table = torch.tensor(rows, dtype=torch.int64).reshape(n_rows, 2)
+    return BlockLayout(tuple(int(s) for s in sizes), n_shards, table, n_blocks)

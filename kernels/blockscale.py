@@ -1,0 +1,220 @@
+"""Block-scaled FP8 kernels for a sharded exchange, and their typed launchers.
+
+Three passes, one launch each, around an all-to-all and an all-gather (``ddp_triton.runtime.exchange``):
+
+1. ``quantize_blocks``: bucket -> rows. Pre-scale, add the error-feedback residual, find the block's power-of-two
+   scale, round to FP8, write codes and scale, and write back the new residual (value - dequantized value).
+2. ``reduce_blocks``: the N ranks' copies of this rank's shard of rows -> one shard. Dequantize, sum in float32 in
+   rank order, add the shard's own residual, requantize, write back that residual.
+3. ``dequantize_blocks``: rows -> bucket, rounded once to the bucket's dtype, optionally with the gradient
+   statistics of ``unpack`` (sum of squares, non-finite count).
+
+Rows are ``fp8.ROW_BYTES`` bytes: 128 codes and a float32 scale (``fp8.py``). Products and sums are compiled without
+FMA contraction (``enable_fp_fusion=False``): a fused multiply-add rounds once where torch rounds twice, and the
+residuals must be the same bits on every path.
+"""
+
+# No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
+from typing import Optional
+
+import torch
+
+from . import _triton, torch_wire
+from .blocks import BlockLayout
+from .convert import _convert, _load_fp32, _write_stats
+from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
+from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
+from .pack import uses_triton
+
+triton, tl = _triton.triton, _triton.tl
+
+# One warp per 128-element block: 4 elements a thread, the block's absmax a warp reduction.
+_NUM_WARPS = 1
+
+if _triton.AVAILABLE:
+
+    @triton.jit
+    def _quantize_blocks_kernel(src, table, residual, rows, words, scale,
+                                BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
+                                APPLY_SCALE: tl.constexpr, SRC_BF16: tl.constexpr, RESIDUAL: tl.constexpr,
+                                MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_EXPONENT_OF: tl.constexpr):
+        """Program i quantizes row i of the table: (start, length) of one tensor's block in the bucket."""
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.load(table + row * 2)
+        length = tl.load(table + row * 2 + 1).to(tl.int32)
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < length
+        values = _load_fp32(src + start + lanes, mask, SRC_BF16, True)
+        if APPLY_SCALE:
+            values = values * scale
+        if RESIDUAL:
+            values = values + tl.load(residual + start + lanes, mask=mask, other=0.0)
+        values = tl.where(mask, values, 0.0)
+        codes, block_scale, dequantized, finite = _quantize_block(values, MANTISSA, BIAS, MAX_EXPONENT_OF)
+        tl.store(rows + row * ROW_BYTES_ + lanes, codes.to(tl.uint8))
+        tl.store(words + row * ROW_WORDS_ + (ROW_WORDS_ - 1), block_scale.to(tl.int32, bitcast=True))
+        if RESIDUAL:
+            tl.store(residual + start + lanes, tl.where(finite, values - dequantized, 0.0), mask=mask)
+
+    @triton.jit
+    def _reduce_blocks_kernel(received, received_words, residual, out, out_words, n_ranks, rank_bytes, rank_words,
+                              BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
+                              RESIDUAL: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                              MAX_EXPONENT_OF: tl.constexpr):
+        """Program i sums row i of every rank's slice of ``received`` in float32, in rank order, and requantizes."""
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        code_ptrs = received + row * ROW_BYTES_ + lanes
+        scale_ptr = received_words + row * ROW_WORDS_ + (ROW_WORDS_ - 1)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(0, n_ranks):
+            codes = tl.load(code_ptrs).to(tl.int32)
+            block_scale = tl.load(scale_ptr).to(tl.float32, bitcast=True)
+            total = total + _decode(codes, MANTISSA, BIAS) * block_scale
+            code_ptrs += rank_bytes  # the same row in the next rank's slice
+            scale_ptr += rank_words
+        values = total
+        if RESIDUAL:
+            values = values + tl.load(residual + row * BLOCK + lanes)
+        codes, block_scale, dequantized, finite = _quantize_block(values, MANTISSA, BIAS, MAX_EXPONENT_OF)
+        tl.store(out + row * ROW_BYTES_ + lanes, codes.to(tl.uint8))
+        tl.store(out_words + row * ROW_WORDS_ + (ROW_WORDS_ - 1), block_scale.to(tl.int32, bitcast=True))
+        if RESIDUAL:
+            tl.store(residual + row * BLOCK + lanes, tl.where(finite, values - dequantized, 0.0))
+
+    @triton.jit
+    def _dequantize_blocks_kernel(rows, words, table, dst, partials,
+                                  BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
+                                  OUT_KIND: tl.constexpr, STATS: tl.constexpr, HW_CONVERT: tl.constexpr,
+                                  MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+        """Program i writes row i back to its place in the bucket, rounded once to the bucket's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.load(table + row * 2)
+        length = tl.load(table + row * 2 + 1).to(tl.int32)
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < length
+        codes = tl.load(rows + row * ROW_BYTES_ + lanes).to(tl.int32)
+        block_scale = tl.load(words + row * ROW_WORDS_ + (ROW_WORDS_ - 1)).to(tl.float32, bitcast=True)
+        bits, stored = _convert(_decode(codes, MANTISSA, BIAS) * block_scale, 1.0, False, OUT_KIND, HW_CONVERT)
+        tl.store(dst + start + lanes, bits, mask=mask)
+        if STATS:
+            _write_stats(partials, row, tl.where(mask, stored, 0.0))
+
+else:  # pragma: no cover - exercised only where Triton is missing
+    _quantize_blocks_kernel = _reduce_blocks_kernel = _dequantize_blocks_kernel = None
+
+
+def _format(fmt: torch.dtype) -> Fp8Format:
+    if fmt not in FORMATS:
+        raise ValueError(f"fp8 format must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
+    return FORMATS[fmt]
+
+
+def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D uint8 tensor")
+    if rows.numel() != n_rows * ROW_BYTES:
+        raise ValueError(f"{name} has {rows.numel()} bytes, expected {n_rows} rows of {ROW_BYTES} = "
+                         f"{n_rows * ROW_BYTES}")
+    if not rows.is_contiguous() or rows.storage_offset() % 4:
+        raise ValueError(f"{name} must be contiguous and 4-byte aligned")
+    if rows.device != device:
+        raise ValueError(f"{name} is on {rows.device} but the other tensors are on {device}")
+
+
+def _check_flat(t: torch.Tensor, name: str, numel: int, device: torch.device, dtypes=SUPPORTED_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D tensor")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}")
+
+
+def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.device) -> None:
+    if residual is not None:
+        _check_flat(residual, "residual", numel, device, (torch.float32,))
+
+
+def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
+                    fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+    """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
+
+    ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
+    ``layout.n_rows * ROW_BYTES`` bytes; ``residual`` float32 of src's length, updated in place.
+    """
+    spec = _format(fmt)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
+    _check_flat(src, "src", layout.n_elements, src.device if isinstance(src, torch.Tensor) else None)
+    _check_rows(rows, layout.n_rows, "rows", src.device)
+    _check_residual(residual, src.numel(), src.device)
+    scale = float(scale)
+    if not uses_triton(src.device):
+        torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual)
+        return
+    src_bf16 = src.dtype == torch.bfloat16
+    _quantize_blocks_kernel[(layout.n_rows,)](
+        src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
+        residual if residual is not None else rows, rows, rows.view(torch.int32), scale,
+        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
+        SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+        MAX_EXPONENT_OF=spec.max_exponent, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+
+
+def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                  fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+    """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
+    many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
+    spec = _format(fmt)
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.numel() % ROW_BYTES:
+        raise ValueError(f"out must be a uint8 tensor of whole {ROW_BYTES}-byte rows")
+    rows_per_rank = out.numel() // ROW_BYTES
+    _check_rows(out, rows_per_rank, "out", out.device)
+    _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
+    _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
+    if not uses_triton(out.device):
+        torch_wire.reduce_blocks(received, n_ranks, out, spec, residual)
+        return
+    if rows_per_rank == 0:
+        return
+    _reduce_blocks_kernel[(rows_per_rank,)](
+        received, received.view(torch.int32), residual if residual is not None else out, out,
+        out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS,
+        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
+        MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent,
+        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+
+
+def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
+                      fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
+    """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
+    (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
+    spec = _format(fmt)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
+    _check_flat(dst, "dst", layout.n_elements, dst.device if isinstance(dst, torch.Tensor) else None)
+    _check_rows(rows, layout.n_rows, "rows", dst.device)
+    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32
+                              or stats.shape != (2,) or stats.device != dst.device):
+        raise ValueError("stats must be a float32 tensor of shape (2,) on the bucket's device")
+    if not uses_triton(dst.device):
+        torch_wire.dequantize_blocks(rows, layout, dst, spec, stats)
+        return
+    if layout.n_blocks == 0:
+        if stats is not None:
+            stats.zero_()
+        return
+    partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
+        else rows
+    _dequantize_blocks_kernel[(layout.n_blocks,)](
+        rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials,
+        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
+        STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    if stats is not None:
+        torch.sum(partials, dim=0, out=stats)

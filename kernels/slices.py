@@ -1,0 +1,69 @@
+"""Sum the ranks' slices of a shard in float32 and round once: the reduction step of a 16-bit wire with float32 sums.
+
+After an all-to-all, each rank holds N equal slices of its shard, one from every rank, in the wire dtype. NCCL's
+ring would add them in that dtype, one rounding per hop; this adds them in float32, in rank order, and rounds once
+to the wire dtype, so each element is rounded twice (pack, here) whatever N is.
+"""
+
+# No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
+import torch
+
+from . import _triton, torch_wire
+from .convert import _convert, _load_fp32
+from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
+from .pack import uses_triton
+
+triton, tl = _triton.triton, _triton.tl
+
+# Elements per program: 1024 with 4 warps, 8 per thread (16-byte loads of 16-bit data).
+_BLOCK = 1024
+_NUM_WARPS = 4
+
+if _triton.AVAILABLE:
+
+    @triton.jit
+    def _sum_slices_kernel(received, out, n_ranks, size, BLOCK: tl.constexpr, SRC_BF16: tl.constexpr,
+                           OUT_KIND: tl.constexpr, HW_CONVERT: tl.constexpr):
+        """Program i sums elements [i * BLOCK, (i + 1) * BLOCK) of every slice."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < size
+        slice_start = received + offsets
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(0, n_ranks):
+            total = total + _load_fp32(slice_start, mask, SRC_BF16, True)
+            slice_start += size  # a pointer step per slice: no rank * size product to overflow 32 bits
+        bits, _ = _convert(total, 1.0, False, OUT_KIND, HW_CONVERT)
+        tl.store(out + offsets, bits, mask=mask)
+
+else:  # pragma: no cover - exercised only where Triton is missing
+    _sum_slices_kernel = None
+
+
+def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements,
+    same dtype as ``out``: float32, bfloat16 or float16), added in float32 in rank order and rounded once. NaNs are
+    written as the canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
+    for name, t in (("received", received), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported are float32, bfloat16 and float16")
+    if received.dtype != out.dtype or received.device != out.device:
+        raise ValueError(f"received ({received.dtype}, {received.device}) and out ({out.dtype}, {out.device}) "
+                         "must share dtype and device")
+    if received.numel() != n_ranks * out.numel():
+        raise ValueError(f"received has {received.numel()} elements, expected n_ranks * out.numel() = "
+                         f"{n_ranks * out.numel()}")
+    if not uses_triton(out.device):
+        torch_wire.sum_slices(received, n_ranks, out)
+        return out
+    if out.numel() == 0:
+        return out
+    src_bf16 = received.dtype == torch.bfloat16
+    grid = (triton.cdiv(out.numel(), _BLOCK),)
+    _sum_slices_kernel[grid](received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]),
+                             n_ranks, out.numel(), BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype],
+                             HW_CONVERT=not _triton.INTERPRETER, num_warps=_NUM_WARPS)
+    return out

@@ -1,0 +1,291 @@
+"""Wire-format kernels: block-scaled FP8 (quantize, reduce, dequantize) and the float32 sum of slices.
+
+Tier: no device. The Triton kernels run in Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1);
+each is compared bit for bit with the plain-torch path CPU training uses (``kernels.torch_wire``), and both with
+references written here from the format's definition: ``tensor.to(torch.float8_*)`` for the rounding, a power-of-two
+scale per tensor block, float32 sums in rank order.
+"""
+
+import pytest
+import torch
+
+from bits import assert_same_bits
+from interpreter import interpreter_problem
+from ddp_triton.kernels import blockscale, fp8, slices, torch_wire, uses_triton
+from ddp_triton.kernels.blocks import block_layout
+
+FORMATS = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+          pytest.param(torch.float16, id="fp16")]
+SIZES = [
+    pytest.param([1], id="one-element"),
+    pytest.param([128], id="one-full-block"),
+    pytest.param([129, 7, 0, 300], id="ragged"),
+    pytest.param([3] * 40, id="many-tiny"),
+]
+
+pytestmark = pytest.mark.skipif(not uses_triton(torch.device("cpu")) or interpreter_problem() is not None,
+                                reason=interpreter_problem() or "needs Triton's interpreter")
+
+
+def gradient_like(sizes, dtype, seed=0):
+    """Tensors of very different scales (1e-6 .. 1e2) with heavy tails, flat in one bucket."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for i, n in enumerate(sizes):
+        t = torch.distributions.StudentT(2.0).sample((n,)) if n else torch.empty(0)
+        parts.append(t * 10.0 ** ((i * 7) % 9 - 6) * torch.rand(1, generator=gen))
+    return torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype)
+
+
+def rows_for(layout, rows=None):
+    return torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8) if rows is None else rows
+
+
+def split(rows):
+    grid = rows.view(-1, fp8.ROW_BYTES)
+    return grid[:, :128], rows.view(torch.int32).view(-1, fp8.ROW_WORDS)[:, -1].view(torch.float32)
+
+
+# ---- the FP8 rounding itself --------------------------------------------------------------------------------------
+
+
+def all_finite_values(fmt):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(fmt).float()
+    return values[torch.isfinite(values)].unique()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encoding_rounds_like_torch_at_every_tie(fmt):
+    """Every representable value, every midpoint between neighbours (ties to even) and one float32 step either side
+    of each midpoint, in blocks whose largest value is the format's maximum (so the scale is exactly 1)."""
+    spec = fp8.FORMATS[fmt]
+    values = all_finite_values(fmt)
+    mid = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mid, torch.nextafter(mid, torch.tensor(-1e9)), torch.nextafter(mid, torch.tensor(1e9))])
+    probes = probes[probes.abs() <= spec.max_finite]
+    per_block = 127
+    pad = (-probes.numel()) % per_block
+    probes = torch.cat([probes, torch.zeros(pad)]).view(-1, per_block)
+    blocks = torch.cat([probes, torch.full((probes.shape[0], 1), spec.max_finite)], dim=1).reshape(-1)
+    layout = block_layout([blocks.numel()], 1)
+    rows = rows_for(layout)
+    blockscale.quantize_blocks(blocks, layout, rows, fmt=fmt)
+    codes, scales = split(rows)
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert torch.equal(codes.reshape(-1), blocks.to(fmt).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoding_every_code(fmt):
+    """All 256 codes, at scale 1, back to float32 exactly (NaN codes as NaN)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    layout = block_layout([128, 128], 1)
+    rows = torch.zeros(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    grid_codes, scales = split(rows)
+    grid_codes.copy_(codes.view(2, 128))
+    scales.fill_(1.0)
+    out = torch.empty(256)
+    blockscale.dequantize_blocks(rows, layout, out, fmt=fmt)
+    assert_same_bits(out, codes.view(fmt).float())
+
+
+# ---- quantize: the scale, per-tensor blocks, residuals ------------------------------------------------------------
+
+
+def reference_quantize(x, sizes, scale, fmt):
+    """Blocks cut per tensor, each scaled by the smallest power of two that fits its absmax under the maximum."""
+    spec = fp8.FORMATS[fmt]
+    codes, scales, dequantized = [], [], []
+    start = 0
+    for n in sizes:
+        for offset in range(0, n, 128):
+            block = x[start + offset: start + min(n, offset + 128)].double() * scale
+            absmax = block.abs().max().item()
+            e = -126
+            while absmax / 2.0**e > spec.max_finite:
+                e += 1
+            q = (block / 2.0**e).float().to(fmt)
+            codes.append(torch.cat([q.view(torch.uint8), torch.zeros(128 - block.numel(), dtype=torch.uint8)]))
+            scales.append(2.0**e)
+            dequantized.append(q.double() * 2.0**e)
+        start += n
+    return codes, scales, torch.cat(dequantized) if dequantized else torch.empty(0, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("sizes", SIZES)
+def test_quantize_matches_the_definition(fmt, sizes):
+    x = gradient_like(sizes, torch.float32)
+    layout = block_layout(sizes, 3)
+    rows = rows_for(layout)
+    blockscale.quantize_blocks(x, layout, rows, 0.25, fmt=fmt)
+    codes, scales = split(rows)
+    want_codes, want_scales, _ = reference_quantize(x, sizes, 0.25, fmt)
+    assert layout.n_rows % 3 == 0 and layout.n_blocks == len(want_codes)
+    for i, (c, s) in enumerate(zip(want_codes, want_scales)):
+        assert torch.equal(codes[i], c), f"block {i}"
+        assert scales[i].item() == s, f"block {i}"
+    assert not codes[layout.n_blocks:].any(), "padding rows carry no codes"
+
+
+def test_a_small_tensor_keeps_its_own_scale():
+    """A bias of 1e-6 after a weight of 1e3: blocks per tensor keep the bias exact to FP8's precision, where a block
+    cut at bucket offsets would flush it to zero under the weight's scale."""
+    sizes = [100, 10]
+    x = torch.cat([torch.full((100,), 1e3), torch.full((10,), 1e-6)])
+    layout = block_layout(sizes, 1)
+    rows = rows_for(layout)
+    blockscale.quantize_blocks(x, layout, rows)
+    out = torch.empty_like(x)
+    blockscale.dequantize_blocks(rows, layout, out)
+    assert torch.allclose(out[100:], x[100:], rtol=2**-4)  # E4M3 keeps 3 mantissa bits: 1/16 relative error
+    assert (out[100:] != 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", SIZES)
+def test_quantize_with_residual_same_bits_as_torch_path(fmt, dtype, sizes):
+    x = gradient_like(sizes, dtype)
+    layout = block_layout(sizes, 2)
+    residual = gradient_like(sizes, torch.float32, seed=1) * 1e-3
+    rows, rows_ref = rows_for(layout), rows_for(layout)
+    res, res_ref = residual.clone(), residual.clone()
+    blockscale.quantize_blocks(x, layout, rows, 0.5, fmt=fmt, residual=res)
+    torch_wire.quantize_blocks(x, layout, rows_ref, 0.5, fp8.FORMATS[fmt], res_ref)
+    assert torch.equal(rows, rows_ref)
+    assert_same_bits(res, res_ref)
+    # The residual is what the rounding left out: value = dequantized + residual, in float64 up to float32 rounding.
+    out = torch.empty(layout.n_elements)
+    blockscale.dequantize_blocks(rows, layout, out, fmt=fmt)
+    value = x.double() * 0.5 + residual.double()
+    assert torch.allclose(out.double() + res.double(), value, rtol=2**-23, atol=0)
+
+
+def test_a_non_finite_block_is_sent_as_nan_and_its_residual_reset():
+    sizes = [128, 128]
+    x = torch.ones(256)
+    x[5] = float("inf")
+    layout = block_layout(sizes, 1)
+    for path in ("triton", "torch"):
+        rows, residual = rows_for(layout), torch.full((256,), 0.5)
+        if path == "triton":
+            blockscale.quantize_blocks(x, layout, rows, residual=residual)
+        else:
+            torch_wire.quantize_blocks(x, layout, rows, 1.0, fp8.E4M3, residual)
+        codes, scales = split(rows)
+        assert (codes[0] == fp8.NAN_CODE).all() and scales[0].item() == 1.0, path
+        assert (residual[:128] == 0).all() and not (residual[128:] == 0.5).all(), path
+        out = torch.empty(256)
+        blockscale.dequantize_blocks(rows, layout, out)
+        assert torch.isnan(out[:128]).all() and torch.isfinite(out[128:]).all(), path
+
+
+# ---- reduce -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_ranks", [1, 3, 4])
+@pytest.mark.parametrize("residual", [False, True], ids=["no-ef", "ef"])
+def test_reduce_same_bits_as_torch_path_and_sums_in_rank_order(fmt, n_ranks, residual):
+    sizes = [300, 5, 128]
+    layout = block_layout(sizes, n_ranks)
+    per_rank = layout.rows_per_shard
+    # What every rank sent for this rank's shard: rows quantized from different gradients.
+    received = torch.empty(n_ranks * per_rank * fp8.ROW_BYTES, dtype=torch.uint8)
+    for rank in range(n_ranks):
+        rows = rows_for(layout)
+        blockscale.quantize_blocks(gradient_like(sizes, torch.float32, seed=rank), layout, rows, fmt=fmt)
+        mine = rows.view(-1, fp8.ROW_BYTES)[:per_rank]  # shard 0's rows
+        received.view(n_ranks, per_rank, fp8.ROW_BYTES)[rank].copy_(mine)
+    r0 = torch.randn(per_rank * 128) * 1e-4 if residual else None
+    out, out_ref = torch.empty(per_rank * fp8.ROW_BYTES, dtype=torch.uint8), torch.empty(per_rank * fp8.ROW_BYTES,
+                                                                                          dtype=torch.uint8)
+    res = None if r0 is None else r0.clone()
+    res_ref = None if r0 is None else r0.clone()
+    blockscale.reduce_blocks(received, n_ranks, out, fmt=fmt, residual=res)
+    torch_wire.reduce_blocks(received, n_ranks, out_ref, fp8.FORMATS[fmt], res_ref)
+    assert torch.equal(out, out_ref)
+    if residual:
+        assert_same_bits(res, res_ref)
+    # Independently: the float32 rank-order sum, requantized, is what was written.
+    codes, scales = split(received)
+    total = torch.zeros(per_rank, 128)
+    for rank in range(n_ranks):
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        total = total + codes[part].view(fmt).float() * scales[part, None]
+    if r0 is not None:
+        total = total + r0.view(per_rank, 128)
+    want_codes, want_scales, _, _ = torch_wire.quantize_rows(total, fp8.FORMATS[fmt])
+    got_codes, got_scales = split(out)
+    assert torch.equal(got_codes, want_codes) and torch.equal(got_scales, want_scales)
+
+
+# ---- dequantize ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_same_bits_as_torch_path_with_stats(fmt, dtype):
+    sizes = [129, 7, 0, 300]
+    layout = block_layout(sizes, 2)
+    rows = rows_for(layout)
+    blockscale.quantize_blocks(gradient_like(sizes, torch.float32), layout, rows, fmt=fmt)
+    out, out_ref = torch.empty(layout.n_elements, dtype=dtype), torch.empty(layout.n_elements, dtype=dtype)
+    stats, stats_ref = torch.empty(2), torch.empty(2)
+    blockscale.dequantize_blocks(rows, layout, out, fmt=fmt, stats=stats)
+    torch_wire.dequantize_blocks(rows, layout, out_ref, fp8.FORMATS[fmt], stats_ref)
+    assert_same_bits(out, out_ref)
+    # Both paths sum squares in a different order: float32 summation error over a few hundred terms.
+    assert torch.allclose(stats, stats_ref, rtol=1e-5)
+    assert stats[0].item() == pytest.approx(out.double().square().sum().item(), rel=1e-5)
+
+
+# ---- sum of slices ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_ranks,size", [(1, 5), (3, 1), (4, 2500)])
+def test_sum_slices_adds_in_float32_in_rank_order(dtype, n_ranks, size):
+    gen = torch.Generator().manual_seed(3)
+    received = (torch.randn(n_ranks * size, generator=gen) * 100).to(dtype)
+    if size > 10:
+        received[7] = float("nan")
+    out, out_ref = torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
+    slices.sum_slices(received, n_ranks, out)
+    torch_wire.sum_slices(received, n_ranks, out_ref)
+    assert_same_bits(out, out_ref)
+    total = torch.zeros(size)
+    for rank in range(n_ranks):
+        total = total + received[rank * size: (rank + 1) * size].float()
+    assert_same_bits(out, total.to(dtype))
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_by_name():
+    layout = block_layout([10], 1)
+    rows = rows_for(layout)
+    with pytest.raises(ValueError, match="fp8 format"):
+        blockscale.quantize_blocks(torch.ones(10), layout, rows, fmt=torch.float16)
+    with pytest.raises(ValueError, match="src has 9 elements"):
+        blockscale.quantize_blocks(torch.ones(9), layout, rows)
+    with pytest.raises(ValueError, match="rows has"):
+        blockscale.quantize_blocks(torch.ones(10), layout, rows[:-4])
+    with pytest.raises(ValueError, match="residual has dtype"):
+        blockscale.quantize_blocks(torch.ones(10), layout, rows, residual=torch.zeros(10, dtype=torch.float16))
+    with pytest.raises(ValueError, match="n_ranks"):
+        blockscale.reduce_blocks(rows, 0, rows)
+    with pytest.raises(ValueError, match="received has"):
+        blockscale.reduce_blocks(rows, 2, rows)
+    with pytest.raises(ValueError, match="stats"):
+        blockscale.dequantize_blocks(rows, layout, torch.empty(10), stats=torch.empty(3))
+    with pytest.raises(ValueError, match="must share dtype"):
+        slices.sum_slices(torch.ones(4), 2, torch.empty(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="n_shards"):
+        block_layout([3], 0)
+    with pytest.raises(ValueError, match="sizes"):
+        block_layout([-1], 1)
