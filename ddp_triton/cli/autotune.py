@@ -1,7 +1,9 @@
 """``ddp-triton autotune``: check the usage and every output first, then model or measure, then write the profile.
 
-``--model-only`` asks the cost model (no GPU); otherwise the workers of ``ddp_triton.tune.autotune`` time
-all-reduces or DDP steps on one process per local GPU (``tune.processes.spawn_local``), or in place under torchrun.
+``--model-only`` asks the cost model (no GPU), calibrated with ``--calibration PROFILE`` (a measured profile's
+fitted factors, e.g. one node's, to predict K nodes); ``--wire-formats`` adds the predicted time of each wire format
+per bucket size. Otherwise the workers of ``ddp_triton.tune.autotune`` time all-reduces or DDP steps on one process
+per local GPU (``tune.processes.spawn_local``), or in place under torchrun.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..log import warn_once
 from ..machine import cost_model as cm
 from ..machine import profile as profiles
 from ..machine.cost_model import default_sizes
+from ..machine.profile import MiB as MIB
 from ..machine.profile import Profile, ProfileError, cache_dir, check_cache_writable, save_to_cache
 from ..machine.topology import TopologyError, apply_launch_env, load_topology
 from ..runtime.algo_groups import check_nccl_support
@@ -192,6 +195,10 @@ def cmd_autotune(args: argparse.Namespace) -> int:
     modes = [m for m, on in (("--model-only", args.model_only), ("--e2e", args.e2e)) if on]
     if len(modes) > 1:
         raise UsageError(f"{' and '.join(modes)} exclude each other")
+    for flag, on, why in (("--calibration", args.calibration is not None, "a measurement calibrates itself"),
+                          ("--wire-formats", args.wire_formats, "the table is the cost model's")):
+        if on and not args.model_only:
+            raise UsageError(f"{flag} is for --model-only ({why})")
     _check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
     if args.model_only:
         return _autotune_model(args, comm_dtype)
@@ -200,12 +207,55 @@ def cmd_autotune(args: argparse.Namespace) -> int:
 
 def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
     topo = _launch_topology(args, args.world_size, required=True)
+    calibration = _calibration(args, topo)
     try:
         prof = profiles.model_profile(topo, comm_dtype=comm_dtype, sizes=_sizes(args, comm_dtype),
-                             **_common_profile_kwargs(args))
+                                      calibration=calibration, **_common_profile_kwargs(args))
+        wire = _wire_table(cm.Fabric.from_topology(topo, calibration)) if args.wire_formats else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return _emit(prof, args)
+    code = _emit(prof, args)
+    if wire is not None:
+        print(wire, file=sys.stderr if args.json else sys.stdout)
+    return code
+
+
+def _calibration(args: argparse.Namespace, topo: Any) -> Optional[cm.Calibration]:
+    """The calibration of ``--calibration PROFILE``, checked against the topology; None without the flag."""
+    if args.calibration is None:
+        return None
+    try:
+        measured = Profile.load(args.calibration)
+    except ProfileError as e:
+        raise UsageError(f"--calibration {e}") from None
+    if measured.calibration is None:
+        raise UsageError(f"--calibration {args.calibration}: the profile has no calibration (a {measured.source} "
+                         "profile; measure mode stores one when it knows the topology: autotune --topology ...)")
+    try:
+        profiles.check_calibration_fits(measured.calibration, topo)
+    except ValueError as e:
+        raise UsageError(f"--calibration {args.calibration}: {e}") from None
+    return measured.calibration
+
+
+#: Bucket sizes of the wire-format table, MiB of float32 gradients (DDP's 25 MB default among them).
+WIRE_TABLE_BUCKET_MIB = (1, 4, 16, 25, 64, 256)
+
+
+def _wire_table(fabric: cm.Fabric) -> str:
+    """Predicted wire time per bucket size and wire format, microseconds, and the fastest format."""
+    head = ["bucket (fp32)", *[f"{w} us" for w in cm.WIRE_FORMATS], "fastest"]
+    lines = [f"wire formats, predicted time per bucket ({fabric.ranks_per_node} per node x {fabric.nodes} node(s); "
+             "the wire only, not the casts or sums):"]
+    rows = []
+    for mib in WIRE_TABLE_BUCKET_MIB:
+        n = mib * MIB // 4
+        times = {w: cm.wire_format_time_us(fabric, n, w) for w in cm.WIRE_FORMATS}
+        rows.append([f"{mib} MiB", *[f"{times[w]:.1f}" for w in cm.WIRE_FORMATS], min(times, key=times.get)])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    for r in [head] + rows:
+        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    return "\n".join(lines)
 
 
 def _backend(args: argparse.Namespace) -> str:

@@ -5,10 +5,12 @@ Subcommands:
 
 * ``topo``: the GPU topology (NVML, a preset or a JSON file) as ``nvidia-smi topo -m`` prints it, or JSON (with
   none found, ``--json`` prints an object with ``topology`` null, the ``error`` and the ``presets``).
-* ``autotune``: make a profile. ``--model-only`` from the cost model (no GPU needed); by default by timing
-  all-reduces (one process per local GPU, or in place under ``torchrun`` for several nodes; ``--backend gloo
-  --nproc N`` times CPU processes); ``--e2e MODULE:FUNCTION`` by timing DDP steps of your model. The profile goes
-  to the cache the hook reads, and to ``--out`` / stdout (``--json``) / ``--nccl-tuner-csv`` on request.
+* ``autotune``: make a profile. ``--model-only`` from the cost model (no GPU needed; ``--calibration PROFILE``
+  applies a measured profile's fitted factors, ``--wire-formats`` adds a table of wire formats); by default by
+  timing all-reduces (one process per local GPU, or in place under ``torchrun`` for several nodes; ``--backend gloo
+  --nproc N`` times CPU processes), which also calibrates the cost model; ``--e2e MODULE:FUNCTION`` by timing DDP
+  steps of your model. The profile goes to the cache the hook reads, and to ``--out`` / stdout (``--json``) /
+  ``--nccl-tuner-csv`` on request.
 * ``profile show FILE``: a profile in words (or ``--json``).
 * ``env``: versions of Python, torch, Triton and NCCL, the GPUs torch and NVML see: what a bug report needs.
 
@@ -130,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "torchrun). The profile is cached where the hook looks for it.")
     mode = a.add_argument_group("mode")
     mode.add_argument("--model-only", action="store_true", help="use the cost model only (no GPU needed)")
+    mode.add_argument("--calibration", metavar="PROFILE",
+                      help="--model-only: apply the cost-model calibration a measured profile holds (measured on "
+                           "one node, say, and predicted here for --nodes K over the inter-node link)")
+    mode.add_argument("--wire-formats", action="store_true",
+                      help="--model-only: also print the predicted time of each wire format (fp32, bf16, fp16, "
+                           "bf16+fp32sum, fp8) per bucket size")
     mode.add_argument("--e2e", metavar="MODULE:FUNCTION",
                       help="time DDP steps of your model: FUNCTION() returns (model, loss_fn), loss_fn(model) "
                            "returns a scalar loss for one batch")

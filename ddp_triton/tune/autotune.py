@@ -1,8 +1,9 @@
 """Making profiles by measuring: timed all-reduces, or timed training steps; and NCCL's tuner CSV of a profile.
 
-* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``sweep.run_sweep``).
-  On gloo there is one all-reduce algorithm; it is recorded as ``ring`` (gloo's CPU all-reduce is ring-based)
-  and the profile says so in ``notes``.
+* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``sweep.run_sweep``),
+  and the cost model calibrated to them (``machine.profile.calibrate``: per algorithm, least squares on log-time),
+  stored in the profile for ``autotune --model-only --calibration``. On gloo there is one all-reduce algorithm; it
+  is recorded as ``ring`` (gloo's CPU all-reduce is ring-based) and the profile says so in ``notes``.
 * ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
   ``step_timing.load_factory``) for candidate bucket sizes and hooks; the fastest wins. ``e2e_base_profile``: the
   profile it starts from.
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
-from ..machine.profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, cached_or_model_profile,
-                               fallback_profile, now_iso, profile_from_rows, save_to_cache)
+from ..machine.profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, cached_or_model_profile,
+                               calibrate, fallback_profile, now_iso, profile_from_rows, rows_for_dtype,
+                               save_to_cache)
 from ..machine.topology import Topology
 from ..safe_write import atomic_write_text
 from ..versions import nccl_version, software_versions
@@ -95,9 +97,24 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
     world = dist.get_world_size()
     nodes = topo.nodes if topo is not None and world % topo.nodes == 0 else 1
     notes.append(f"measured: {warmup} warm-up + {iters} timed all-reduces per point, slowest rank's median")
+    calibration, note = calibrate_measured(topo, rows, comm_dtype, "nccl" if backend == "nccl" else "gloo")
+    notes.append(note)
     return profile_from_rows(rows, source="measured", backend="nccl" if backend == "nccl" else "gloo",
                              world_size=world, nodes=nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
-                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes)
+                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes, calibration=calibration)
+
+
+def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: str,
+                       backend: str) -> Tuple[Optional[Any], str]:
+    """The cost model calibrated to the ``comm_dtype`` rows of a measured sweep, and a note for the profile saying
+    how well it fits, or why there is none (no topology; several nodes without an inter-node rate; too few sizes)."""
+    comm_rows = rows_for_dtype([r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows], comm_dtype)
+    try:
+        calibration = calibrate(topo, comm_rows, backend)
+    except ValueError as e:
+        return None, f"cost model not calibrated: {e}"
+    fits = ", ".join(f"{a} rms log error {c.rms_log_error:.3f}" for a, c in calibration.algorithms.items())
+    return calibration, f"cost model calibrated to the {comm_dtype} sweep ({fits})"
 
 
 def e2e_base_profile(topo: Any, world_size: int, comm_dtype: str, backend: str, **model_kwargs: Any) -> Profile:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddp_triton.cli import main, parse_size
-from ddp_triton.machine.profile import Profile, cache_path
+from ddp_triton.machine.profile import Profile, TableEntry, cache_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,6 +197,59 @@ def test_autotune_e2e_world_size_1(env, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # In process: bad usage and bad input exit 2 with a message
+def _measured_one_node(path: Path, preset: str = "dgx-h100", latency: float = 1.5, bandwidth: float = 0.8) -> Path:
+    """A measured-looking one-node profile of ``preset`` whose rows the model made with known factors, calibrated
+    as measure mode calibrates (``tune.autotune.calibrate_measured``)."""
+    from ddp_triton.machine import cost_model as cm
+    from ddp_triton.machine.profile import profile_from_rows
+    from ddp_triton.machine.topology import load_topology
+    from ddp_triton.tune.autotune import calibrate_measured
+
+    topo = load_topology(preset)
+    cal = cm.Calibration(algorithms={a: cm.AlgorithmCalibration(latency, bandwidth) for a in ("ring", "tree", "nvls")})
+    truth = cm.Fabric.from_topology(topo, cal)
+    rows = [e.row("bfloat16") for e in cm.sweep(truth, cm.default_sizes(1 << 10, 1 << 28), "bfloat16")]
+    fitted, note = calibrate_measured(topo, rows, "bfloat16", "nccl")
+    prof = profile_from_rows(rows, source="measured", backend="nccl", world_size=8, nodes=1,
+                             comm_dtype="bfloat16", topo=topo, notes=[note], calibration=fitted)
+    return prof.save(path)
+
+
+def test_autotune_model_only_with_a_calibration(env, tmp_path, capsys):
+    # One node measured (here: made by the model with intra-node latency x1.5, bandwidth x0.8), four predicted.
+    measured = _measured_one_node(tmp_path / "measured.json")
+    argv = ["autotune", "--model-only", "--topology", "dgx-h100", "--nodes", "4", "--json", "--no-cache"]
+    assert main(argv + ["--calibration", str(measured)]) == 0
+    cal = Profile.from_dict(json.loads(capsys.readouterr().out))
+    assert main(argv) == 0
+    plain = Profile.from_dict(json.loads(capsys.readouterr().out))
+    assert cal.calibration is not None and plain.calibration is None
+    assert cal.calibration.for_algorithm("ring").latency_scale == pytest.approx(1.5, rel=1e-3)
+    assert any("calibrated" in n for n in cal.notes) and (cal.world_size, cal.nodes) == (32, 4)
+    # Slower intra-node links and hops: every predicted all-reduce is slower than the uncalibrated one's.
+    slower = [c.time_us > p.time_us for c, p in zip(cal.sweep, plain.sweep)]
+    assert len(slower) == len(plain.sweep) and all(slower)
+    # In words, the calibration is named.
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--nodes", "4", "--no-cache",
+                 "--calibration", str(measured)]) == 0
+    assert "calibration (measured on 8 ranks x 1 node(s)" in capsys.readouterr().out
+
+
+def test_autotune_model_only_wire_formats(env, capsys):
+    # FP8 on 4 nodes x 1 GPU over 100 Gb/s (12.5 GB/s): the README's example.
+    assert main(["autotune", "--model-only", "--topology", "h200-vm-1gpu", "--nodes", "4", "--inter-node-gbps",
+                 "12.5", "--wire-formats", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("wire formats"):].splitlines()
+    assert "fp8 us" in table[1] and "bf16+fp32sum us" in table[1] and "fastest" in table[1]
+    assert [line.split()[0:2] for line in table[2:]] == [[str(m), "MiB"] for m in (1, 4, 16, 25, 64, 256)]
+    assert table[-1].split()[-1] == "fp8"
+    # With --json the table goes to stderr and stdout stays the profile.
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--wire-formats", "--json", "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert "wire formats" in captured.err and Profile.from_dict(json.loads(captured.out)).world_size == 8
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -430,6 +483,19 @@ BAD_INPUTS = [
     pytest.param(lambda t: MODEL + ["--out", str(t / "same"), "--nccl-tuner-csv", str(t / "same")], ["same file"],
                  id="out-and-csv-one-file"),
     pytest.param(lambda t: MODEL + ["--world-size", "12"], ["--nodes 2"], id="world-size-names-the-flag"),
+    pytest.param(lambda t: MODEL + ["--calibration", str(t / "missing.json")], ["--calibration", "missing.json"],
+                 id="calibration-missing"),
+    pytest.param(lambda t: MODEL + ["--calibration", _file(t, "model.json", Profile(
+        source="model", world_size=8, nodes=1, comm_dtype="bfloat16", bucket_cap_mb=25.0,
+        table=[TableEntry(0, None, "ring")]).to_json())], ["--calibration", "model.json", "no calibration"],
+                 id="calibration-absent"),
+    pytest.param(lambda t: MODEL + ["--calibration", str(_measured_one_node(t / "a100.json", "dgx-a100"))],
+                 ["--calibration", "a100.json", "another kind of node"], id="calibration-other-node"),
+    pytest.param(lambda t: ["autotune", "--backend", "gloo", "--calibration", "p.json"], ["--calibration",
+                                                                                          "--model-only"],
+                 id="calibration-without-model-only"),
+    pytest.param(lambda t: ["autotune", "--backend", "gloo", "--wire-formats"], ["--wire-formats", "--model-only"],
+                 id="wire-formats-without-model-only"),
 ]
 
 

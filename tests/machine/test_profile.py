@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_model_profile_round_trip(h100x2, tmp_path):
     again = load_profile(path)
     assert again.to_dict() == prof.to_dict()
     assert again.digest() == prof.digest()
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == 2
     # Every size x algorithm evaluated, 1 KiB .. 1 GiB.
     sizes = sorted({r.nbytes for r in again.sweep})
     assert sizes[0] == 1024 and sizes[-1] == 1 << 30
@@ -120,8 +121,11 @@ def _corrupt_variants(good: dict):
     yield "not-json", "{ this is not json"
     yield "truncated", json.dumps(good)[:-40]
     yield "array", "[1, 2, 3]"
-    d = dict(good, schema_version=2)
+    d = dict(good, schema_version=3)
     yield "future-schema", json.dumps(d)
+    yield "schema-true", json.dumps(dict(good, schema_version=True))
+    yield "v1-with-calibration", json.dumps(dict(good, schema_version=1, calibration=None))
+    yield "bad-calibration", json.dumps(dict(good, calibration={"algorithms": {"ring": {"latency_scale": -2}}}))
     d = dict(good)
     del d["table"]
     yield "missing-table", json.dumps(d)
@@ -271,8 +275,11 @@ def test_choose_bucket_cap_mb():
     mb, why = choose_bucket_cap_mb(rows)
     assert mb == 16.0 and "90%" in why and "16 MiB" in why
     assert choose_bucket_cap_mb(rows, fraction=0.5)[0] == 4.0
-    # fp32 gradients sent as bf16: a 16 MiB message holds 32 MiB of gradients.
-    assert choose_bucket_cap_mb(rows, comm_ratio=0.5)[0] == 32.0
+    # fp32 gradients sent as bf16: a bucket of 64 MiB (the cap without a model size) travels as 32 MiB, so 64 MiB
+    # messages are not candidates; among the rest busbw still rises at the largest swept one (16 MiB, 91 GB/s), so
+    # the bucket is the largest allowed, 64 MiB.
+    mb, why = choose_bucket_cap_mb(rows, comm_ratio=0.5)
+    assert mb == 64.0 and "still rising" in why and "0.5 bytes sent per gradient byte" in why
     # A 40 MiB model must still split into 4 buckets: 10 MiB.
     mb, why = choose_bucket_cap_mb(rows, model_bytes=40 * MiB, min_buckets=4)
     assert mb == 10.0 and "4 buckets" in why
@@ -294,6 +301,20 @@ def test_bucket_cap_without_model_size_is_bounded():
     # Below the cap nothing changes; the reason still says how to bound it by the model.
     mb, why = choose_bucket_cap_mb(rows, fraction=0.5)
     assert mb == 16.0 and "capped" not in why and "--model-bytes" in why
+
+
+def test_bucket_rule_is_relative_to_the_largest_bucket_allowed():
+    # The ramp: busbw keeps rising to 1 GiB, so 90% of the sweep's best (at 1 GiB) lies beyond any bucket a model
+    # would use. The rule asks instead for 90% of what the largest allowed bucket gets.
+    rows = [row(s << 20, "ring", 1.0, busbw=b) for s, b in ((1, 20.0), (2, 40.0), (4, 60.0), (8, 70.0), (16, 76.0),
+                                                          (32, 80.0), (64, 84.0), (1024, 100.0))]
+    # Model size unknown: 64 MiB at most; 90% of 84 GB/s (75.6) is first reached at 16 MiB.
+    mb, why = choose_bucket_cap_mb(rows)
+    assert mb == 16.0 and "84.0 GB/s at 64 MiB" in why
+    # A 128 MiB model in at least 4 buckets: 32 MiB at most; 90% of 80 (72) first at 16 MiB.
+    assert choose_bucket_cap_mb(rows, model_bytes=128 * MiB)[0] == 16.0
+    # A 32 MiB model: 8 MiB at most; 90% of 70 (63) first at 8 MiB, the largest allowed: 8 MiB.
+    assert choose_bucket_cap_mb(rows, model_bytes=32 * MiB)[0] == 8.0
 
 
 def test_ddp_kwargs_bounds_by_model():
@@ -379,6 +400,44 @@ def test_unknown_fields_are_refused_by_name(edit, name, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(ProfileError, match="unknown field"):
         Profile.load(path)
+
+
+V1_FILE = Path(__file__).resolve().parent / "data" / "profile_v1_dgx_h100_2nodes.json"
+
+
+def test_a_version_1_profile_still_loads(tmp_path, monkeypatch):
+    # V1_FILE was written by `ddp-triton autotune --model-only --topology dgx-h100 --nodes 2 --max-bytes 64M` before
+    # calibrations existed (schema version 1, commit 405e7e4).
+    old = json.loads(V1_FILE.read_text())
+    assert old["schema_version"] == 1 and "calibration" not in old
+    p = load_profile(V1_FILE)
+    assert p.schema_version == 2 and p.calibration is None
+    assert [t.to_dict() for t in p.table] == old["table"] and p.bucket_cap_mb == old["bucket_cap_mb"]
+    assert [r.to_dict() for r in p.sweep] == old["sweep"] and p.notes == old["notes"]
+    assert p.algorithm_for(1 << 30) == "nvls_tree"
+    # Written back as version 2; read again, the same profile.
+    again = load_profile(p.save(tmp_path / "p.json"))
+    assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 2
+    assert again.to_dict() == p.to_dict()
+    # In the cache, where the hook looks, it is found as well.
+    cached = cache_path(old["topology_fingerprint"], 16, 2, "bfloat16")
+    cached.parent.mkdir(parents=True)
+    cached.write_text(V1_FILE.read_text())
+    found = find_cached_profile(old["topology_fingerprint"], 16, 2, "bfloat16")
+    assert found is not None and found.digest() == p.digest()
+
+
+def test_a_calibration_round_trips_in_a_profile(tmp_path):
+    from ddp_triton.machine.cost_model import AlgorithmCalibration, Calibration
+
+    cal = Calibration(algorithms={"ring": AlgorithmCalibration(1.25, 0.9, 0.03, 12)}, ranks_per_node=2,
+                      arch="hopper", node_fingerprint="f")
+    p = small_profile(calibration=cal)
+    again = load_profile(p.save(tmp_path / "p.json"))
+    assert again.calibration == cal and again.to_dict() == p.to_dict()
+    assert "latency x1.25, bandwidth x0.9" in again.summary()
+    # Behaviour on a rank does not depend on it.
+    assert again.digest() == small_profile().digest()
 
 
 def test_every_field_written_is_known(h100x2):

@@ -44,7 +44,9 @@ def test_model_profile_dgx_h100_four_nodes():
     assert sizes == cm.default_sizes()
     assert {r.algorithm for r in p.sweep} == {"ring", "tree", "nvls_tree"}
     assert p.algorithm_for(1024) == "tree"  # latency-bound across 4 nodes
-    assert p.algorithm_for(1 << 30) == "nvls_tree"
+    assert p.algorithm_for(64 << 20) == "nvls_tree"
+    # From about 1 GiB both run at the NICs; the ring's windows cost less than NVLSTree's 64 KiB chunks' proxy posts.
+    assert p.algorithm_for(1 << 30) == "ring"
     assert p.bucket_cap_mb > 0 and "90%" in p.bucket_reason
     assert all(t.protocol is not None for t in p.table)
     assert p.versions["torch"] == torch.__version__.split("+")[0] or p.versions["torch"].startswith(
@@ -63,6 +65,27 @@ def test_model_profile_bucket_capped_without_model_size():
     # Bandwidth alone would pick a bucket of hundreds of MiB on 4 nodes; unknown model size caps it at 64 MiB.
     p = model_profile(apply_launch_env(load_topology("dgx-h100"), nodes=4, env={}))
     assert p.bucket_cap_mb <= 64.0 and "model size unknown" in p.bucket_reason
+
+
+def test_measure_mode_calibrates_the_model():
+    # What measure_profile does with its rows (calibrate_measured): rows as run_sweep returns them, made here by the
+    # model with known factors on one DGX H100, in bfloat16 beside float32 rows of other times that must be ignored.
+    topo = load_topology("dgx-h100")
+    truth = cm.Fabric.from_topology(topo, cm.Calibration(algorithms={"ring": cm.AlgorithmCalibration(1.4, 0.8),
+                                                                     "nvls": cm.AlgorithmCalibration(0.7, 1.1)}))
+    rows = [dict(cm.estimate(truth, n, a).row("bfloat16")) for n in cm.default_sizes(1 << 10, 1 << 28)
+            for a in ("ring", "nvls")]
+    rows += [dict(r, dtype="float32", time_us=r["time_us"] * 3) for r in rows]
+    cal, note = autotune.calibrate_measured(topo, rows, "bfloat16", "nccl")
+    # 2e-3: the rows' times are rounded to 1e-4 us (Estimate.row), a relative 1e-5 at 1 KiB.
+    assert cal.for_algorithm("ring").latency_scale == pytest.approx(1.4, rel=2e-3)
+    assert cal.for_algorithm("ring").bandwidth_scale == pytest.approx(0.8, rel=2e-3)
+    assert cal.for_algorithm("nvls").latency_scale == pytest.approx(0.7, rel=2e-3)
+    assert cal.node_fingerprint and (cal.ranks_per_node, cal.nodes, cal.arch) == (8, 1, "hopper")
+    assert "calibrated to the bfloat16 sweep" in note and "ring rms log error" in note
+    # Several nodes and NVML's topology (no NIC rate): the model cannot describe the measured machine.
+    cal, note = autotune.calibrate_measured(_dgx_h100_nvml(2), rows, "bfloat16", "nccl")
+    assert cal is None and "not calibrated" in note and "inter-node" in note
 
 
 def _dgx_h100_nvml(nodes: int, world_size: Optional[int] = None):
@@ -160,6 +183,8 @@ def _measure_and_e2e(rank: int, world: int, out_dir: str) -> None:
     assert all(r.busbw_gbps == pytest.approx(r.algbw_gbps, rel=1e-12) for r in p.sweep)  # 2(n-1)/n = 1 at n = 2
     assert any("one all-reduce algorithm" in n for n in p.notes)
     assert p.table == [TableEntry(0, None, "ring", None)]
+    # No topology: nothing to calibrate the model to, and the profile says so.
+    assert p.calibration is None and any("not calibrated: no topology" in n for n in p.notes)
 
     e = e2e_profile("factories:tiny_factory", p, bucket_mbs=[0.001, 1.0], hooks=["allreduce", "bf16_compress"],
                     warmup=1, steps=2)

@@ -2,16 +2,16 @@
 
 - `schema`: `Profile` and its rows, validated JSON (the schema is in its docstring), `ddp_kwargs`.
 - `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
-- `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model.
+- `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
 """
 
 from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_MAX_BUCKET_MB, DEFAULT_TIE_TOLERANCE, build_table,
-                    cached_or_model_profile, choose_bucket_cap_mb, fallback_profile, model_profile,
-                    profile_from_rows, rows_for_dtype)
+                    cached_or_model_profile, calibrate, check_calibration_fits, choose_bucket_cap_mb,
+                    fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
 from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
                     profile_fingerprint, save_to_cache)
-from .schema import (BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, MiB, Profile, ProfileError, SweepRow,
-                     TableEntry, ddp_kwargs, format_bytes, load_profile, now_iso)
+from .schema import (BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, SUPPORTED_SCHEMA_VERSIONS, MiB, Profile,
+                     ProfileError, SweepRow, TableEntry, ddp_kwargs, format_bytes, load_profile, now_iso)
 
 __all__ = [
     "BACKENDS",
@@ -25,6 +25,7 @@ __all__ = [
     "ProfileError",
     "SCHEMA_VERSION",
     "SOURCES",
+    "SUPPORTED_SCHEMA_VERSIONS",
     "SweepRow",
     "TableEntry",
     "build_table",
@@ -32,7 +33,9 @@ __all__ = [
     "cache_path",
     "cache_path_of",
     "cached_or_model_profile",
+    "calibrate",
     "check_cache_writable",
+    "check_calibration_fits",
     "choose_bucket_cap_mb",
     "ddp_kwargs",
     "fallback_profile",
@@ -40,6 +43,7 @@ __all__ = [
     "format_bytes",
     "load_profile",
     "model_profile",
+    "node_fingerprint",
     "now_iso",
     "profile_fingerprint",
     "profile_from_rows",

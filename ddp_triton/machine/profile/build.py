@@ -5,17 +5,20 @@
   needed; ``fallback_profile``: one ring range, for a machine the model cannot describe.
 * ``cached_or_model_profile``: this machine's cached profile, else the cost model's (the hook and ``autotune --e2e``
   both start from it).
+* ``calibrate``: the cost model fitted to measured rows (measure mode stores it in the profile); ``node_fingerprint``
+  names the kind of node a calibration describes; ``model_profile(..., calibration=...)`` predicts with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...dtypes import dtype_size, normalize_dtype
 from ...versions import software_versions
 from .. import cost_model as cm
-from ..cost_model import ALGORITHMS
+from ..cost_model import ALGORITHMS, Calibration
 from .cache import find_cached_profile, profile_fingerprint
 from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, SweepRow, TableEntry, format_bytes
 
@@ -78,11 +81,15 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
                          comm_ratio: float = 1.0) -> Tuple[float, str]:
     """DDP ``bucket_cap_mb`` and the reason for it.
 
-    The smallest swept all-reduce size whose best busbw reaches ``fraction`` of the best busbw of the sweep: larger
-    buckets gain little bandwidth but delay the first all-reduce and shrink overlap with backward. ``comm_ratio`` is
-    bytes sent per gradient byte (0.5 for fp32 gradients sent as bf16), since DDP counts bucket size in gradient
-    bytes. With ``model_bytes`` (gradient bytes of the model), the cap is lowered so the model still splits into at
-    least ``min_buckets`` buckets; without it, the cap is at most ``DEFAULT_MAX_BUCKET_MB``.
+    First the largest bucket allowed: ``model_bytes / min_buckets`` (gradient bytes of the model, so that it still
+    splits into that many buckets that overlap backward), else ``DEFAULT_MAX_BUCKET_MB``. Then the smallest swept
+    all-reduce, no larger than that, whose best busbw reaches ``fraction`` of the best busbw an allowed bucket gets;
+    where that is the largest swept size allowed (busbw still rising), the bucket is the largest allowed.
+
+    Why against the largest allowed bucket and not the whole sweep: NCCL reaches its peak only for messages of
+    hundreds of MiB to GiB (chunk pipelining, ``cost_model.ramp``), so 90% of the sweep's best lies beyond any bucket
+    a model would use, and would pick the cap every time. ``comm_ratio`` is bytes sent per gradient byte (0.5 for
+    fp32 gradients sent as bf16), since DDP counts bucket size in gradient bytes.
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
@@ -98,29 +105,34 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
             best[r.nbytes] = r
     if not best:
         raise ValueError("no sweep rows to choose a bucket size from")
-    peak = max(best.values(), key=lambda r: r.busbw_gbps)
-    if peak.busbw_gbps <= 0:
+    if max(r.busbw_gbps for r in best.values()) <= 0:
         # One rank: nothing crosses a wire, bandwidth says nothing. Keep DDP's default.
         return 25.0, "one rank (busbw 0 everywhere): DDP's default 25 MiB"
-    target = fraction * peak.busbw_gbps
-    chosen = next(best[s] for s in sorted(best) if best[s].busbw_gbps >= target)
-    bucket_bytes = chosen.nbytes / comm_ratio
-    reason = (f"smallest all-reduce reaching {fraction:.0%} of the best busbw ({peak.busbw_gbps:.1f} GB/s at "
-              f"{format_bytes(peak.nbytes)}): {format_bytes(chosen.nbytes)} at {chosen.busbw_gbps:.1f} GB/s "
-              f"({chosen.algorithm})")
-    if comm_ratio != 1.0:
-        reason += f"; {comm_ratio:g} bytes sent per gradient byte -> {format_bytes(bucket_bytes)} of gradients"
+    cap = model_bytes / min_buckets if model_bytes is not None else DEFAULT_MAX_BUCKET_MB * MiB
+    allowed = [s for s in sorted(best) if s / comm_ratio <= cap]
+    if not allowed:
+        bucket_bytes = cap
+        reason = "every swept all-reduce is larger than the largest bucket allowed"
+    else:
+        ref = max((best[s] for s in allowed), key=lambda r: r.busbw_gbps)
+        target = fraction * ref.busbw_gbps
+        chosen = next(best[s] for s in allowed if best[s].busbw_gbps >= target)
+        reason = (f"smallest all-reduce reaching {fraction:.0%} of the busbw of the largest bucket allowed "
+                  f"({ref.busbw_gbps:.1f} GB/s at {format_bytes(ref.nbytes)}): {format_bytes(chosen.nbytes)} at "
+                  f"{chosen.busbw_gbps:.1f} GB/s ({chosen.algorithm})")
+        bucket_bytes = chosen.nbytes / comm_ratio
+        if comm_ratio != 1.0:
+            reason += f"; {comm_ratio:g} bytes sent per gradient byte -> {format_bytes(bucket_bytes)} of gradients"
+        if chosen.nbytes == allowed[-1] and bucket_bytes < cap:
+            bucket_bytes = cap
+            reason += f"; busbw still rising there: {format_bytes(cap)}, the largest bucket allowed"
     if model_bytes is not None:
-        bound = model_bytes / min_buckets
-        if bucket_bytes > bound:
-            bucket_bytes = bound
-            reason += (f"; lowered to {format_bytes(bound)} so the {format_bytes(model_bytes)} of gradients split "
-                       f"into {min_buckets} buckets that overlap backward")
-    elif bucket_bytes > DEFAULT_MAX_BUCKET_MB * MiB:
-        bucket_bytes = DEFAULT_MAX_BUCKET_MB * MiB
+        reason += (f"; at most {format_bytes(cap)} so the {format_bytes(model_bytes)} of gradients split into "
+                   f"{min_buckets} buckets that overlap backward")
+    elif bucket_bytes >= cap:
         reason += (f"; model size unknown: capped at {DEFAULT_MAX_BUCKET_MB:g} MiB so a model of a few hundred MB "
-                   "still splits into several buckets that overlap backward (--model-bytes, or "
-                   "ddp_kwargs(profile, model), bounds it by the real model)")
+                   "still splits into several buckets that overlap backward (--model-bytes, or ddp_kwargs(profile, "
+                   "model), bounds it by the real model)")
     else:
         reason += "; model size unknown (--model-bytes, or ddp_kwargs(profile, model), bounds it by the real model)"
     mb = float(f"{bucket_bytes / MiB:.4g}")
@@ -155,8 +167,9 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
                       world_size: int, nodes: int, comm_dtype: str, topo: Any = None,
                       fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
                       min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
-                      notes: Optional[List[str]] = None) -> Profile:
-    """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``."""
+                      notes: Optional[List[str]] = None, calibration: Optional[Calibration] = None) -> Profile:
+    """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``; ``calibration`` is stored
+    with it."""
     all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
     comm_rows = rows_for_dtype(all_rows, comm_dtype)
     if not comm_rows:
@@ -171,23 +184,61 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
                    bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
                    topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
                    topology_name=topo.name if topo is not None else "", versions=software_versions(),
-                   notes=list(notes or []))
+                   notes=list(notes or []), calibration=calibration)
 
 
 def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Sequence[int]] = None,
                   fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
-                  min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE) -> Profile:
-    """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env)."""
+                  min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
+                  calibration: Optional[Calibration] = None) -> Profile:
+    """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env), with a
+    ``calibration`` measured on one of its nodes if given (``check_calibration_fits`` first)."""
     comm_dtype = normalize_dtype(comm_dtype)
-    fabric = cm.Fabric.from_topology(topo)
+    fabric = cm.Fabric.from_topology(topo, calibration=calibration)
     sizes = list(sizes) if sizes is not None else cm.default_sizes()
     sizes = [s for s in sizes if s % dtype_size(comm_dtype) == 0]
     rows = [e.row(comm_dtype) for e in cm.sweep(fabric, sizes, comm_dtype)]
     notes = [f"cost model: {fabric.ranks_per_node} ranks x {fabric.nodes} node(s), intra {fabric.intra_gbps:g} GB/s "
              f"{fabric.intra_link}, inter {fabric.inter_gbps:g} GB/s per node, {fabric.arch}"]
+    if calibration is not None:
+        notes.append(f"calibrated: intra-node factors fitted to a sweep of {calibration.ranks_per_node} ranks x "
+                     f"{calibration.nodes} node(s) ({calibration.backend}); inter-node terms as modelled")
     return profile_from_rows(rows, source="model", backend="model", world_size=fabric.world_size,
                              nodes=fabric.nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
-                             model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes)
+                             model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes,
+                             calibration=calibration)
+
+
+def node_fingerprint(topo: Any) -> str:
+    """The fingerprint of one node of ``topo`` (its GPUs and links, not the node count or NICs): what a
+    calibration describes."""
+    return dataclasses.replace(topo, nodes=1, inter_node_gbps=None).fingerprint()
+
+
+def calibrate(topo: Any, rows: Sequence[Union[SweepRow, Mapping[str, Any]]], backend: str) -> Calibration:
+    """The cost model's per-algorithm factors fitted to measured ``rows`` (one dtype) on ``topo`` as launched.
+    ValueError when the model cannot describe the machine (no topology, no inter-node rate for several nodes) or no
+    algorithm has two sizes to fit."""
+    if topo is None:
+        raise ValueError("no topology: the model needs one to compare the measurement with (pass --topology)")
+    fabric = cm.Fabric.from_topology(topo)
+    return cm.fit_calibration(fabric, _as_rows(rows), backend=backend, node_fingerprint=node_fingerprint(topo))
+
+
+def check_calibration_fits(calibration: Calibration, topo: Any) -> None:
+    """ValueError unless ``calibration`` was measured on nodes of the kind ``topo`` has (same GPUs and links per
+    node); one without a recorded node must at least match the GPU generation and the intra-node link."""
+    fabric = cm.Layout.from_topology(topo)
+    if calibration.node_fingerprint:
+        if calibration.node_fingerprint != node_fingerprint(topo):
+            raise ValueError(f"the calibration was measured on another kind of node ({calibration.ranks_per_node} "
+                             f"x {calibration.arch}, {calibration.intra_link}) than topology {topo.name!r} has "
+                             f"({topo.gpus_per_node} x {fabric.arch}): measure one of these nodes")
+        return
+    link = "nvlink" if topo.intra_node_fabric == "nvlink" else "pcie"
+    if (calibration.arch, calibration.intra_link) != (fabric.arch, link):
+        raise ValueError(f"the calibration was measured on {calibration.arch} GPUs over {calibration.intra_link}; "
+                         f"topology {topo.name!r} has {fabric.arch} GPUs over {link}")
 
 
 def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str) -> Profile:

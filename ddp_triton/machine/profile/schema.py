@@ -3,10 +3,10 @@
 A profile is what ``ddp-triton autotune`` writes and what the hook's state reads. It is JSON only (never pickle),
 validated on load, and cached per topology under the user's cache directory so the hook finds it without flags.
 
-Schema, version 1 (``SCHEMA_VERSION``)::
+Schema, version 2 (``SCHEMA_VERSION``)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "source": "model" | "measured" | "e2e",   # cost model, timed all-reduces, or timed training steps
       "world_size": 16, "nodes": 2,
       "comm_dtype": "bfloat16",                 # dtype the hook all-reduces in
@@ -24,8 +24,16 @@ Schema, version 1 (``SCHEMA_VERSION``)::
       "versions": {"ddp_triton": "0.1.0", "torch": "...", "nccl": "2.21.5", ...},
       "created": "2026-11-30T12:00:00+00:00",
       "e2e": null | {...},                      # e2e mode: candidates and their step times
+      "calibration": null | {                   # version 2: the cost model fitted to the measured sweep
+        "algorithms": {"ring": {"latency_scale": 1.3, "bandwidth_scale": 0.95, "rms_log_error": 0.04,
+                                "points": 21}, ...},
+        "ranks_per_node": 8, "nodes": 1, "arch": "hopper", "intra_link": "nvlink", "backend": "nccl",
+        "node_fingerprint": "..."},            # ddp_triton.machine.cost_model.Calibration
       "notes": ["..."]
     }
+
+Older files load: version 1 is version 2 without ``calibration`` (it loads as version 2 with ``calibration``
+null, and is written back as version 2). A version this code does not know is refused.
 
 Algorithm names are ``ddp_triton.machine.cost_model.ALGORITHMS`` (ring, tree, nvls, nvls_tree).
 """
@@ -44,9 +52,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ...dtypes import normalize_dtype
 from ...safe_write import OutputError, atomic_write_text
-from ..cost_model import ALGORITHMS, PROTOCOLS
+from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions ``from_dict`` reads: 1 (before calibrations) is read as 2 without one.
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 SOURCES = ("model", "measured", "e2e")
 BACKENDS = ("nccl", "gloo", "model")
 MiB = 1 << 20
@@ -71,9 +81,11 @@ def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> N
         raise ValueError(f"{where}unknown field(s) {', '.join(map(repr, unknown))}")
 
 
-_PROFILE_FIELDS = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb", "bucket_reason",
-                   "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions", "created",
-                   "e2e", "notes")
+_PROFILE_FIELDS_V1 = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb",
+                      "bucket_reason", "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions",
+                      "created", "e2e", "notes")
+_PROFILE_FIELDS = _PROFILE_FIELDS_V1 + ("calibration",)
+_FIELDS_BY_VERSION = {1: _PROFILE_FIELDS_V1, 2: _PROFILE_FIELDS}
 _TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
 _SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
 
@@ -211,11 +223,16 @@ class Profile:
     e2e: Optional[Dict[str, Any]] = None
     """e2e mode: the candidates timed and the winner."""
     notes: List[str] = field(default_factory=list)
+    calibration: Optional[Calibration] = None
+    """The cost model's factors fitted to this profile's measured sweep (measure mode), or carried by a model profile
+    made with ``--calibration``; None otherwise."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {self.schema_version!r} is not {SCHEMA_VERSION}")
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            self.calibration = Calibration.from_dict(self.calibration)
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         if self.backend not in BACKENDS:
@@ -292,6 +309,8 @@ class Profile:
         lines.append(f"DDP arguments: {ddp_kwargs(self)}")
         if self.e2e:
             lines.append(f"e2e winner: {self.e2e.get('winner')}")
+        if self.calibration is not None:
+            lines.append(self.calibration.summary())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -303,19 +322,22 @@ class Profile:
                 "bucket_reason": self.bucket_reason, "sweep": [r.to_dict() for r in self.sweep],
                 "table": [t.to_dict() for t in self.table], "topology_fingerprint": self.topology_fingerprint,
                 "topology_name": self.topology_name, "backend": self.backend, "versions": dict(self.versions),
-                "created": self.created, "e2e": self.e2e, "notes": list(self.notes)}
+                "created": self.created, "e2e": self.e2e,
+                "calibration": None if self.calibration is None else self.calibration.to_dict(),
+                "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
         """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content. A field the
         schema does not have (a misspelt one, say), at the top or in a table or sweep entry, is refused by name, as
-        topology files refuse theirs."""
+        topology files refuse theirs. A version 1 file becomes a version 2 profile without a calibration."""
         if not isinstance(d, Mapping):
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {version!r} is not the supported {SCHEMA_VERSION}")
-        _refuse_unknown(d, _PROFILE_FIELDS, "")
+        if isinstance(version, bool) or version not in SUPPORTED_SCHEMA_VERSIONS:
+            supported = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
+            raise ValueError(f"schema_version {version!r} is not one this version reads ({supported})")
+        _refuse_unknown(d, _FIELDS_BY_VERSION[version], "")
         for key, known in (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)):
             entries = d.get(key)
             if isinstance(entries, list):
@@ -331,7 +353,7 @@ class Profile:
                 topology_fingerprint=str(d.get("topology_fingerprint", "")),
                 topology_name=str(d.get("topology_name", "")), backend=d.get("backend", "nccl"),
                 versions=dict(d.get("versions") or {}), created=str(d.get("created", "")), e2e=d.get("e2e"),
-                notes=list(notes) if isinstance(notes, list) else notes, schema_version=version)
+                notes=list(notes) if isinstance(notes, list) else notes, calibration=d.get("calibration"))
         except KeyError as e:
             raise ValueError(f"missing field {e.args[0]!r}") from None
         except TypeError as e:

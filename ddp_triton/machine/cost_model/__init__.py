@@ -1,0 +1,61 @@
+"""Cost model of NCCL all-reduce: ring, tree, NVLS and NVLS-tree, per message size and dtype; and of the wire
+formats a gradient bucket can travel in.
+
+What it is for: ranking NCCL's algorithms per message size (which one the hook should force for a bucket of a given
+size), sizing DDP buckets, and predicting machines we cannot measure (``ddp-triton autotune --model-only``), from
+one node's measurement (``--calibration``) or from public figures alone.
+
+* ``fabric``: the vocabulary: ``Fabric`` (ranks, link rates and kinds), ``Layout``, ``Estimate``, nccl-tests'
+  bandwidth arithmetic, which algorithms NCCL runs where.
+* ``nccl``: NCCL's own tuning model (its constants, cited there) and what NCCL derives from the topology: channels,
+  chunk sizes, thresholds.
+* ``ramp``: what an all-reduce really costs with the protocol NCCL picks: LL's achieved bandwidth, channels per
+  size, chunk pipelining. ``estimate``, ``sweep``, ``best``, ``nccl_choice``.
+* ``calibration`` and ``fit``: per-algorithm factors fitted to a measured sweep (least squares on log-time).
+* ``wire``: a bucket's wire formats (one all-reduce in bf16/fp16/fp32; all-to-all plus all-gather in bf16 with
+  fp32 sums, or in block-scaled FP8), their bytes and predicted time.
+
+Units: bytes, microseconds, GB/s (10^9 bytes per second, as nccl-tests prints).
+"""
+
+from ...dtypes import DTYPE_SIZES, dtype_size, normalize_dtype
+from ...versions import parse_nccl_version
+from .calibration import AlgorithmCalibration, Calibration
+from .fabric import (ALGORITHMS, KNOWN_ARCHES, LINK_KINDS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, NVLS_DTYPES,
+                     NVLS_NEEDS_3_GPUS, NVLS_SINGLE_NODE_ONLY, PROTOCOLS, Estimate, Fabric, Layout, algbw_gbps,
+                     algorithm_unavailable_reason, available_algorithms, busbw_factor, busbw_gbps, default_sizes,
+                     nvls_min_ranks_per_node)
+from .fabric import _LL, _LL128, _SIMPLE  # noqa: F401 (protocol indices, as the model's internals and tests use them)
+from .fit import fit_algorithm, fit_calibration
+from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, LL_MAX_BUSBW_MULTI_NODE, LL_MAX_BUSBW_ONE_NODE, NET_EFFICIENCY,
+                   NET_OVERHEAD_US, NVLINK_EFFICIENCY, NVLS_ALGBW_FRACTION, NVLS_ALGBW_FRACTION_HOPPER,
+                   PCIE_EFFICIENCY, RING_LL128_FACTOR, RING_LL_FACTOR, RING_PLATEAU, SINGLE_RANK_US, TREE_CORRECTION,
+                   TREE_FACTOR, TREE_LL128_FACTOR_MULTI_NODE, TREE_LL128_FACTOR_ONE_NODE, TREE_LL_FACTOR,
+                   comm_channels, graph_channels, nccl_protocol, nccl_protocol_time_us, nvls_chunk_bytes)
+from .nccl import _latency_us, _log2i  # noqa: F401 (NCCL's latency and log2i, which the tests check by hand)
+from .ramp import (AMPERE_NVLINK_STEP_US, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best, estimate, nccl_choice,
+                   protocol_time_us, ring_windows, sweep)
+from .wire import (FP8_BLOCK, FP8_BLOCK_BYTES, WIRE_FORMAT_ALIASES, WIRE_FORMATS, all_gather_time_us,
+                   all_to_all_time_us, canonical_wire_format, wire_bytes, wire_collectives, wire_format_time_us)
+
+__all__ = [
+    # vocabulary (fabric.py; dtypes and NCCL versions from the base modules)
+    "ALGORITHMS", "DTYPE_SIZES", "KNOWN_ARCHES", "LINK_KINDS", "MIN_NCCL_VERSION", "NCCL_ALGO_NAMES", "NVLS_DTYPES",
+    "NVLS_NEEDS_3_GPUS", "NVLS_SINGLE_NODE_ONLY", "PROTOCOLS", "Estimate", "Fabric", "Layout", "algbw_gbps",
+    "algorithm_unavailable_reason", "available_algorithms", "busbw_factor", "busbw_gbps", "default_sizes",
+    "dtype_size", "normalize_dtype", "nvls_min_ranks_per_node", "parse_nccl_version",
+    # NCCL's own model (nccl.py)
+    "BASE_LATENCY_US", "HW_LATENCY_US", "LL_MAX_BUSBW_MULTI_NODE", "LL_MAX_BUSBW_ONE_NODE", "NET_EFFICIENCY",
+    "NET_OVERHEAD_US", "NVLINK_EFFICIENCY", "NVLS_ALGBW_FRACTION", "NVLS_ALGBW_FRACTION_HOPPER", "PCIE_EFFICIENCY",
+    "RING_LL128_FACTOR", "RING_LL_FACTOR", "RING_PLATEAU", "SINGLE_RANK_US", "TREE_CORRECTION", "TREE_FACTOR",
+    "TREE_LL128_FACTOR_MULTI_NODE", "TREE_LL128_FACTOR_ONE_NODE", "TREE_LL_FACTOR", "comm_channels",
+    "graph_channels", "nccl_protocol", "nccl_protocol_time_us", "nvls_chunk_bytes",
+    # the ramp (ramp.py)
+    "AMPERE_NVLINK_STEP_US", "NET_CHUNK_OVERHEAD_US", "NVLS_CHUNK_SYNC_US", "best", "estimate", "nccl_choice",
+    "protocol_time_us", "ring_windows", "sweep",
+    # calibration (calibration.py, fit.py)
+    "AlgorithmCalibration", "Calibration", "fit_algorithm", "fit_calibration",
+    # wire formats (wire.py)
+    "FP8_BLOCK", "FP8_BLOCK_BYTES", "WIRE_FORMATS", "WIRE_FORMAT_ALIASES", "all_gather_time_us",
+    "all_to_all_time_us", "canonical_wire_format", "wire_bytes", "wire_collectives", "wire_format_time_us",
+]
