@@ -71,7 +71,7 @@ WARP = 32
 
 # Triton's type names for pointer arguments, by the tensor's dtype.
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int16: "*i16",
-                  torch.int32: "*i32", torch.int64: "*i64"}
+                  torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
 
 _HW_CONVERT = re.compile(r"\bcvt\.rn(?:\.satfinite)?\.(?:bf16|f16)(?:x2)?\.f32\b")
 
@@ -205,7 +205,8 @@ def source(fn: Any, types: Dict[str, str], constexprs: Dict[str, Any], aligned: 
                      attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
 
-def compile_launch(kernel: Any, args: tuple, constexprs: dict, num_warps: int, arch: int) -> Any:
+def compile_launch(kernel: Any, args: tuple, constexprs: dict, num_warps: int, arch: int,
+                   **options: Any) -> Any:
     """The compiled kernel Triton's launcher would build for these arguments on a GPU of compute capability
     ``arch`` (90: sm_90a). Needs the kernels imported in compiled mode (TRITON_INTERPRET=0)."""
     if INTERPRETER:
@@ -216,7 +217,7 @@ def compile_launch(kernel: Any, args: tuple, constexprs: dict, num_warps: int, a
     names = kernel.arg_names
     types = dict(zip(names, argument_types(args)))
     src = source(kernel, types, constexprs, divisible_by_16(args))
-    return triton.compile(src, target=GPUTarget("cuda", arch, WARP), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, WARP), options={"num_warps": num_warps, **options})
 
 
 # ----------------------------------------------------------------------------------------------------------------

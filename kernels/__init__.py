@@ -1,13 +1,19 @@
 """Triton kernels and their launchers, installed as ``ddp_triton.kernels``.
 
 They know nothing of torch.distributed: they flatten, scale and cast gradient buckets (``pack``) and go back
-(``unpack``), one pass each way, bit-exact on GPU, in Triton's interpreter and on the plain-torch CPU path.
+(``unpack``), one pass each way, bit-exact on GPU, in Triton's interpreter and on the plain-torch CPU path. The
+wire formats add block-scaled FP8 (``quantize_blocks``, ``reduce_blocks``, ``dequantize_blocks``) and a float32
+sum of the ranks' slices (``sum_slices``).
 """
 
 from ._triton import INTERPRETER
 from ._triton import version_tuple as triton_version
 from .dtypes import SUPPORTED_DTYPES
+from .blocks import BlockLayout, block_layout
+from .blockscale import dequantize_blocks, quantize_blocks, reduce_blocks
 from .pack import bind_pack, bind_unpack, pack, unpack, uses_triton
+from .slices import sum_slices
 
 __all__ = ["pack", "unpack", "bind_pack", "bind_unpack", "uses_triton", "SUPPORTED_DTYPES", "INTERPRETER",
-           "triton_version"]
+           "triton_version", "BlockLayout", "block_layout", "quantize_blocks", "reduce_blocks", "dequantize_blocks",
+           "sum_slices"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 try:
     import triton
@@ -29,3 +31,13 @@ def version_tuple() -> tuple:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def serialized():
+    """A context that runs one interpreted launch at a time: Triton's interpreter keeps the launch's grid position
+    in process-wide state, so two threads' launches (a hook's pack, a collective's callback unpacking) corrupt
+    each other there. Compiled launches need no lock: a no-op context."""
+    return _INTERPRETER_LOCK if INTERPRETER else contextlib.nullcontext()

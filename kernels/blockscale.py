@@ -156,12 +156,13 @@ def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
         torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual)
         return
     src_bf16 = src.dtype == torch.bfloat16
-    _quantize_blocks_kernel[(layout.n_rows,)](
-        src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
-        residual if residual is not None else rows, rows, rows.view(torch.int32), scale,
-        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
-        SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
-        MAX_EXPONENT_OF=spec.max_exponent, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    with _triton.serialized():
+        _quantize_blocks_kernel[(layout.n_rows,)](
+            src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
+            residual if residual is not None else rows, rows, rows.view(torch.int32), scale,
+            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
+            SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+            MAX_EXPONENT_OF=spec.max_exponent, num_warps=_NUM_WARPS, enable_fp_fusion=False)
 
 
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
@@ -182,12 +183,13 @@ def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
         return
     if rows_per_rank == 0:
         return
-    _reduce_blocks_kernel[(rows_per_rank,)](
-        received, received.view(torch.int32), residual if residual is not None else out, out,
-        out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS,
-        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
-        MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent,
-        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    with _triton.serialized():
+        _reduce_blocks_kernel[(rows_per_rank,)](
+            received, received.view(torch.int32), residual if residual is not None else out, out,
+            out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS,
+            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
+            MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent,
+            num_warps=_NUM_WARPS, enable_fp_fusion=False)
 
 
 def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
@@ -211,10 +213,11 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
         return
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
-    _dequantize_blocks_kernel[(layout.n_blocks,)](
-        rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials,
-        BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
-        STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
-        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    with _triton.serialized():
+        _dequantize_blocks_kernel[(layout.n_blocks,)](
+            rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials,
+            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
+            STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+            num_warps=_NUM_WARPS, enable_fp_fusion=False)
     if stats is not None:
         torch.sum(partials, dim=0, out=stats)

@@ -51,7 +51,8 @@ def launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
     """One launch through Triton's own launcher (compiled on first use; the interpreter when it is on)."""
     if plan.n_items == 0:
         return
-    kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps)
+    with _triton.serialized():
+        kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps)
 
 
 def _key_of(arg: Any) -> Any:

@@ -63,7 +63,8 @@ def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch
         return out
     src_bf16 = received.dtype == torch.bfloat16
     grid = (triton.cdiv(out.numel(), _BLOCK),)
-    _sum_slices_kernel[grid](received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]),
-                             n_ranks, out.numel(), BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype],
-                             HW_CONVERT=not _triton.INTERPRETER, num_warps=_NUM_WARPS)
+    with _triton.serialized():
+        _sum_slices_kernel[grid](received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]),
+                                 n_ranks, out.numel(), BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype],
+                                 HW_CONVERT=not _triton.INTERPRETER, num_warps=_NUM_WARPS)
     return out

@@ -60,13 +60,13 @@ def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
         x = x + residual
     positions = layout.positions()
     grid = torch.zeros(layout.n_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
-    grid[positions] = x
+    grid.index_copy_(0, positions, x)  # index_copy_/index_select: torch's x[index] is ~300x slower on CPU
     values = grid.view(layout.n_rows, BLOCK_ELEMENTS)
     codes, scales, dequantized, finite = quantize_rows(values, fmt)
     _write_rows(rows, codes, scales)
     if residual is not None:
         left = (values - dequantized).masked_fill(~finite[:, None], 0.0)
-        residual.copy_(left.view(-1)[positions])
+        residual.copy_(left.view(-1).index_select(0, positions))
 
 
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
@@ -89,7 +89,7 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
                       stats: Optional[torch.Tensor]) -> None:
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical); optional [sum of squares, non-finite]."""
     codes, scales = _split_rows(rows)
-    values = decode_rows(codes, scales, fmt).view(-1)[layout.positions()]
+    values = decode_rows(codes, scales, fmt).view(-1).index_select(0, layout.positions())
     _convert_into(dst, values, 1.0)
     if stats is not None:
         stats.zero_()

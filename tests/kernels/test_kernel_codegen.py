@@ -111,3 +111,49 @@ def test_no_spills_and_registers_within_bounds(reports):
         if r["spill_bytes"] != 0 or r["stack_bytes"] != 0:
             failures.append(f"{r['name']}: {r['spill_bytes']} bytes spilled, {r['stack_bytes']} bytes of stack")
     assert not failures, "\n".join(failures)
+
+
+# ---- the wire-format kernels (FP8 blocks, float32 sum of slices) ---------------------------------------------------
+
+# One warp per 128-element block holds a block's values, the residual and the dequantized copy at once; 40 leaves
+# headroom over what Triton 3.0-3.9 compiled them to (30-39, python -m bench.codegen_wire). With one warp per CTA
+# the CTA limit per SM (32 on sm_90), not registers, bounds their occupancy (RESULTS.md says what is unmeasured).
+WIRE_REGISTER_CEILING = 40
+
+
+@pytest.fixture(scope="module")
+def wire_reports():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-m", "bench.codegen_wire", "--json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def test_wire_kernels_compile_without_spills_or_contraction(wire_reports):
+    from bench.codegen_wire import NO_FUSION
+
+    assert {r["name"] for r in wire_reports} >= NO_FUSION | {"sum slices bf16 x8"}
+    for r in wire_reports:
+        assert r["spill_bytes"] in (0, None) and r["stack_bytes"] in (0, None), r
+        assert r["registers"] is None or r["registers"] <= WIRE_REGISTER_CEILING, r
+        if r["name"] in NO_FUSION:
+            # A fused multiply-add rounds once where the torch path rounds twice: the residuals would differ.
+            assert not r["fp_fusion"] and r["fma"] == 0, r
+
+
+def test_fp8_codes_are_stored_four_to_a_thread_not_byte_by_byte(wire_reports):
+    for r in wire_reports:
+        if r["name"].startswith(("quantize", "reduce")):
+            assert 8 not in r["store_widths"], f"{r['name']} stores single bytes: {r['store_widths']}"
+
+
+def test_the_contraction_check_can_fail():
+    """The same quantize launch compiled with contraction on does fuse: the fma count above measures something."""
+    code = ("import bench.codegen_wire as w; name, k, a, c, nw, _ = w.launches()[0]; "
+            "print(w.report(name, k, a, c, nw, {})['fma'])")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 0
