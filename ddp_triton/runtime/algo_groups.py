@@ -197,14 +197,9 @@ def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] 
     digest = profile.digest() if profile is not None else _NO_PROFILE
     if len(digest) != _DIGEST_LEN:
         raise ValueError(f"profile digest must be {_DIGEST_LEN} characters, got {digest!r}")
-    world = dist.get_world_size(pg)
-    if world == 1:
+    if dist.get_world_size(pg) == 1:
         return digest
-    device = _digest_device(pg)
-    mine = torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=pg)
-    digests = [bytes(t.cpu().tolist()).decode("ascii", "replace") for t in gathered]
+    digests = _gather_text(digest, pg)
     if len(set(digests)) > 1:
         ranks = dist.get_process_group_ranks(pg)
         by_digest: Dict[str, List[int]] = {}
@@ -218,3 +213,24 @@ def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] 
             "or cache, same topology, the same profile argument), or buckets would go to different algorithms and "
             "hang.")
     return digest
+
+
+def check_wire_agreement(wire_format: str, process_group: ProcessGroup) -> None:
+    """Verify every rank of the group sends in the same wire format; RuntimeError on every rank if not. Ranks that
+    disagree would issue different collectives (an all-reduce against an all-to-all) and hang or abort in them."""
+    if dist.get_world_size(process_group) == 1:
+        return
+    names = [n.rstrip() for n in _gather_text(wire_format[:_DIGEST_LEN].ljust(_DIGEST_LEN), process_group)]
+    if len(set(names)) > 1:
+        ranks = dist.get_process_group_ranks(process_group)
+        parts = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, names))
+        raise RuntimeError(f"ranks disagree on the wire format ({parts}): give every rank the same comm_dtype, "
+                           "accumulate_dtype and error_feedback")
+
+
+def _gather_text(text: str, pg: ProcessGroup) -> List[str]:
+    """Every rank's ``text`` (ASCII, the same length on every rank), through one all_gather of bytes."""
+    mine = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8, device=_digest_device(pg))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(gathered, mine, group=pg)
+    return [bytes(t.cpu().tolist()).decode("ascii", "replace") for t in gathered]

@@ -45,13 +45,13 @@ def test_a_completed_all_reduce_unpacks_and_gives_the_buffer():
     assert done.wait() is buffer and unpacked == [True]
 
 
-def _train_until_peer_dies(rank, world_size, store_path, results, comm_dtype):
+def _train_until_peer_dies(rank, world_size, store_path, results, options):
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
     ddp = DDP(model, bucket_cap_mb=0.001)
-    ddp_triton.register(ddp, comm_dtype=comm_dtype)
+    ddp_triton.register(ddp, **options)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     start, step = time.monotonic(), 0
@@ -71,13 +71,16 @@ def _train_until_peer_dies(rank, world_size, store_path, results, comm_dtype):
     os._exit(0)
 
 
-@pytest.mark.parametrize("comm_dtype", [torch.bfloat16, torch.float32], ids=["cast", "in-place"])
-def test_survivor_stops_when_a_peer_is_killed(comm_dtype):
+@pytest.mark.parametrize("options", [
+    dict(comm_dtype=torch.bfloat16), dict(comm_dtype=torch.float32),
+    dict(comm_dtype=torch.float8_e4m3fn),  # all-to-all, float32 sum, all-gather: a chain of collectives
+], ids=["cast", "in-place", "fp8-sharded"])
+def test_survivor_stops_when_a_peer_is_killed(options):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp, scoped_env({"TRITON_INTERPRET": "0"}):
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_train_until_peer_dies, args=(r, 2, store_path, results, comm_dtype), daemon=True)
+        procs = [ctx.Process(target=_train_until_peer_dies, args=(r, 2, store_path, results, options), daemon=True)
                  for r in range(2)]
         for p in procs:
             p.start()

@@ -1,0 +1,171 @@
+"""Sharded exchanges: a bucket averaged by all-to-all, a local float32 sum and all-gather, instead of one all-reduce.
+
+Used by the wire formats whose sum must not be taken in the wire dtype (``wire.py``): 16 bits with float32 sums, and
+block-scaled FP8. Per bucket: a kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each
+rank the N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard,
+and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
+
+Every rank must issue its collectives on a group in one order, and a gloo future's callback runs on gloo's own
+thread whenever the work finishes. So nothing here is issued from a callback in a race with the hook: an
+``ExchangeQueue`` issues, under one lock, the all-gather of the bucket before (once its all-to-all has finished)
+and then the all-to-all of the next, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank. The last bucket of a
+backward, or a bucket whose next never comes, is driven by its all-to-all's completion. Any error (a failed
+collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..kernels import blockscale, slices
+from ..kernels.blocks import BlockLayout
+from ..kernels.fp8 import ROW_BYTES
+from .residuals import LayoutResiduals
+from .wire import WireFormat
+
+# torch >= 2.12 names the all-gather into one tensor all_gather_single; older releases all_gather_into_tensor.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedExchange:
+    """One bucket's buffers and the three launches around its all-to-all and all-gather."""
+
+    def __init__(self, buffer: torch.Tensor, group: Any, world_size: int, send: torch.Tensor, recv: torch.Tensor,
+                 shard: torch.Tensor, prepare: Callable[[], None], reduce: Callable[[], None],
+                 finish: Callable[[], None]) -> None:
+        self.buffer, self.group, self.world_size = buffer, group, world_size
+        self.send, self.recv, self.shard = send, recv, shard
+        self.prepare, self.reduce, self.finish = prepare, reduce, finish
+
+    def collective_bytes(self) -> Tuple[int, int]:
+        """Bytes handed to the all-to-all (the whole send buffer) and to the all-gather (this rank's shard)."""
+        return self.send.numel() * self.send.element_size(), self.shard.numel() * self.shard.element_size()
+
+
+class _Run:
+    """One bucket's exchange in flight; ``watch`` (telemetry.Watch) records its phases, or None."""
+
+    def __init__(self, exchange: ShardedExchange, result: torch.futures.Future, all_to_all: Any,
+                 watch: Any) -> None:
+        self.exchange, self.result, self.all_to_all, self.watch = exchange, result, all_to_all, watch
+
+    def phase(self, name: str) -> Any:
+        return self.watch.phase(name) if self.watch is not None else contextlib.nullcontext()
+
+
+class ExchangeQueue:
+    """Issues the sharded exchanges' collectives in the same order on every rank (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Optional[_Run] = None
+
+    def start(self, exchange: ShardedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+        """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the
+        bucket's telemetry (profiler ranges, timing) for this pass, or None."""
+        devices = [exchange.buffer.device] if exchange.buffer.is_cuda else None
+        result = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        with self._lock:
+            self._drive_pending()
+            run = _Run(exchange, result, None, watch)
+            with run.phase("pack"):
+                exchange.prepare()
+            with run.phase("all_to_all"):
+                run.all_to_all = dist.all_to_all_single(exchange.recv, exchange.send, group=exchange.group,
+                                                        async_op=True)
+            work = run.all_to_all
+            self._pending = run
+            if last:
+                self._drive_pending()
+        if not last:
+            work.get_future().then(lambda _: self._drive_if_pending(run))
+        return result
+
+    def _drive_if_pending(self, run: _Run) -> None:
+        # Never block here (gloo's thread): a held lock means the hook is in ``start``, which drives the pending
+        # bucket before anything else. A gloo Work's wait() returns only after its future's callbacks ran, so the
+        # hook waits on the future, which returns before them.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._pending is run:
+                self._drive_pending()
+        finally:
+            self._lock.release()
+
+    def _drive_pending(self) -> None:
+        """The pending bucket's next steps: wait for its all-to-all, sum, start its all-gather."""
+        run, self._pending = self._pending, None
+        if run is None:
+            return
+        exchange, result = run.exchange, run.result
+        try:
+            run.all_to_all.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
+            with run.phase("reduce"):
+                exchange.reduce()
+            with run.phase("all_gather"):
+                gather = _all_gather_into(exchange.send, exchange.shard, group=exchange.group, async_op=True)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
+            _fail(result, exc)
+            return
+
+        unpack = run.watch.unpack(exchange.finish) if run.watch is not None else exchange.finish
+
+        def finish(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()  # raises if the all-gather failed
+                unpack()
+                result.set_result(exchange.buffer)
+            except BaseException as exc:  # noqa: BLE001
+                _fail(result, exc)
+
+        gather.get_future().then(finish)
+
+
+def _fail(result: torch.futures.Future, exc: BaseException) -> None:
+    if not result.done():
+        result.set_exception(exc)
+
+
+def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, world_size: int,
+                         pre_scale: float, post_scale: float, stats: Optional[torch.Tensor]) -> ShardedExchange:
+    """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack."""
+    n = buffer.numel()
+    padded = wire.padded_elements(n, 0, world_size)
+    send = torch.zeros(padded, dtype=wire.comm_dtype, device=buffer.device)  # the tail stays zero
+    recv = torch.empty_like(send)
+    shard = torch.empty(padded // world_size, dtype=wire.comm_dtype, device=buffer.device)
+    pack = kernels.bind_pack([buffer], send[:n], pre_scale)
+    unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats)
+    return ShardedExchange(buffer, group, world_size, send, recv, shard, pack,
+                           lambda: slices.sum_slices(recv, world_size, shard), unpack)
+
+
+def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
+                       pre_scale: float, residuals: Optional[LayoutResiduals],
+                       stats: Optional[torch.Tensor]) -> ShardedExchange:
+    """Block-scaled FP8: quantize (with error feedback), all-to-all, float32 sum and requantize, all-gather,
+    dequantize."""
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
+    recv = torch.empty_like(send)
+    shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
+    fmt = wire.comm_dtype
+    first = residuals.first if residuals is not None else None
+    second = residuals.second if residuals is not None else None
+
+    def quantize() -> None:
+        blockscale.quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
+
+    def reduce() -> None:
+        blockscale.reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
+
+    def dequantize() -> None:
+        blockscale.dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats)
+
+    return ShardedExchange(buffer, group, world_size, send, recv, shard, quantize, reduce, dequantize)

@@ -1,0 +1,90 @@
+"""Wire formats: what a CommState's (comm_dtype, accumulate_dtype, error_feedback) mean, checked in one place.
+
+- ``bf16``/``fp16``/``fp32``: one all-reduce in that dtype (NCCL sums in it, one rounding per ring hop).
+- ``bf16+fp32sum``/``fp16+fp32sum``: the bucket travels in 16 bits, but is summed in float32: an all-to-all gives
+  each rank the N copies of its shard, a kernel adds them in float32 and rounds once, an all-gather returns the
+  shards. Same bytes as a ring all-reduce; each element is rounded twice whatever N is.
+- ``fp8e4m3``/``fp8e5m2`` (``+ef`` with error feedback): block-scaled FP8 through the same all-to-all and
+  all-gather, summed in float32; with error feedback each rank keeps what its rounding left out and adds it to the
+  next step's gradients, at both rounding stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4m3",
+          torch.float8_e5m2: "fp8e5m2"}
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How a bucket travels: its dtype on the wire, what the sum is computed in, whether errors are fed back."""
+
+    comm_dtype: torch.dtype
+    accumulate_dtype: Optional[torch.dtype]
+    """None: the all-reduce's own dtype; torch.float32: summed in float32 after an all-to-all."""
+    error_feedback: bool
+
+    @property
+    def sharded(self) -> bool:
+        """Exchanged as all-to-all + local float32 sum + all-gather rather than one all-reduce."""
+        return self.accumulate_dtype is not None and self.comm_dtype != torch.float32
+
+    @property
+    def block_scaled(self) -> bool:
+        return self.comm_dtype in FP8_DTYPES
+
+    @property
+    def name(self) -> str:
+        name = _SHORT[self.comm_dtype]
+        if self.sharded and not self.block_scaled:
+            name += "+fp32sum"
+        return name + ("+ef" if self.error_feedback else "")
+
+    def padded_elements(self, n_elements: int, n_blocks: int, world_size: int) -> int:
+        """Elements each rank's exchange buffer holds for a bucket of ``n_elements`` (``n_blocks`` FP8 blocks)."""
+        if self.block_scaled:
+            return -(-max(n_blocks, 1) // world_size) * world_size * BLOCK_ELEMENTS
+        if self.sharded:
+            return -(-n_elements // world_size) * world_size
+        return n_elements
+
+    def bytes_sent(self, n_elements: int, n_blocks: int, world_size: int) -> int:
+        """Bytes one rank puts on the wire for one bucket: (N-1)/N of the buffer, twice (a ring all-reduce's
+        reduce-scatter and all-gather phases, or the all-to-all and the all-gather)."""
+        if self.block_scaled:
+            buffer = self.padded_elements(n_elements, n_blocks, world_size) // BLOCK_ELEMENTS * ROW_BYTES
+        else:
+            buffer = self.padded_elements(n_elements, n_blocks, world_size) * self.comm_dtype.itemsize
+        return 2 * buffer * (world_size - 1) // world_size
+
+
+def resolve_wire_format(comm_dtype: torch.dtype, accumulate_dtype: Optional[torch.dtype] = None,
+                        error_feedback: Optional[bool] = None) -> WireFormat:
+    """The WireFormat of a CommState's settings, or a ValueError naming the combination that cannot be."""
+    known = SIXTEEN_BIT + (torch.float32,) + FP8_DTYPES
+    if comm_dtype not in known:
+        raise ValueError(f"comm_dtype must be one of torch.bfloat16, torch.float16, torch.float32, "
+                         f"torch.float8_e4m3fn, torch.float8_e5m2; got {comm_dtype}")
+    if accumulate_dtype not in (None, torch.float32):
+        raise ValueError(f"accumulate_dtype must be None (sum in the wire dtype) or torch.float32, got "
+                         f"{accumulate_dtype}")
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
+    if comm_dtype in FP8_DTYPES:
+        # FP8 sums can only be taken in float32: NCCL's own FP8 sum knows nothing of the blocks' scales.
+        return WireFormat(comm_dtype, torch.float32, True if error_feedback is None else error_feedback)
+    if error_feedback:
+        raise ValueError(f"error_feedback applies to FP8 wire formats; {comm_dtype} rounds each value once to "
+                         "nearest, with nothing worth feeding back")
+    if comm_dtype == torch.float32 and accumulate_dtype is not None:
+        accumulate_dtype = None  # float32 on the wire already sums in float32: one all-reduce
+    return WireFormat(comm_dtype, accumulate_dtype, False)

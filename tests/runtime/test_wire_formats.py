@@ -1,0 +1,307 @@
+"""Wire formats under real DDP: 16 bits with float32 sums, and block-scaled FP8 with and without error feedback.
+
+Tier: gloo multi-process on CPU (world sizes 2, 3 and 4, spawned here), on the kernels' torch CPU path. Every rank
+also computes every rank's local gradients on a copy of the model and averages them with the reference numerics of
+``wire_reference.py`` (written from the formats' definitions): the hook must give the same bits, step after step,
+residuals included, across DDP's bucket rebuild and a checkpoint.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from dist_utils import run_workers
+from wire_reference import float32_sum_average, fp8_average
+from ddp_triton.runtime.algo_groups import scoped_env
+from ddp_triton.runtime.wire import resolve_wire_format
+
+BATCH = 12
+
+
+def torch_path_workers(fn, world_size, *args, timeout=120):
+    with scoped_env({"TRITON_INTERPRET": "0"}):
+        run_workers(fn, world_size, *args, timeout=timeout)
+
+
+class Wide(nn.Module):
+    """Tensors of very different sizes and scales: a 2400-element weight (19 blocks, the last one short), a bias."""
+
+    def __init__(self, dtype=torch.float32, unused=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 300)
+        self.second = nn.Linear(300, 4)
+        self.unused = nn.Linear(4, 4) if unused else None
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x.to(self.first.weight.dtype)))).float()
+
+
+def data(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
+
+
+def local_grads(model, x, y, rank, world_size, accumulate=1):
+    """This rank's gradient (of ``accumulate`` backward passes on its slice) on ``model``, without DDP."""
+    model.zero_grad()
+    per = BATCH // world_size
+    for _ in range(accumulate):
+        nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def ddp_backward(ddp, x, y, rank, world_size):
+    per = BATCH // world_size
+    nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+
+
+class Reference:
+    """The same training on one process: every rank's gradients averaged with the reference numerics."""
+
+    def __init__(self, model, options, world_size, lr=0.05):
+        self.model, self.world_size = copy.deepcopy(model), world_size
+        self.fmt = options["comm_dtype"]
+        self.feedback = self.fmt in (torch.float8_e4m3fn, torch.float8_e5m2) and options.get("error_feedback", True)
+        params = list(self.model.parameters())
+        self.first = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(world_size)]
+        self.second = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def step(self, x, y, accumulate=1):
+        per_rank = [local_grads(self.model, x, y, r, self.world_size, accumulate) for r in range(self.world_size)]
+        if self.fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            averaged = fp8_average(per_rank, self.fmt, self.first if self.feedback else None,
+                                   self.second if self.feedback else None)
+        else:
+            averaged = float32_sum_average(per_rank, self.fmt)
+        for p, g in zip(self.model.parameters(), averaged):
+            p.grad = g.to(p.dtype)
+        self.opt.step()
+
+
+def assert_same_params(model, reference, step):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.detach().view(-1).view(torch.int16 if p.dtype != torch.float32 else torch.int32),
+                           q.detach().view(-1).view(torch.int16 if q.dtype != torch.float32 else torch.int32)), \
+            f"{name} differs from the reference after step {step}"
+
+
+FP8_EF = dict(comm_dtype=torch.float8_e4m3fn)
+FP8_E5M2_NO_EF = dict(comm_dtype=torch.float8_e5m2, error_feedback=False)
+BF16_FP32_SUM = dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
+
+
+def train_like_reference(model, options, rank, world_size, steps, accumulate=1, group=None, data_shift=0,
+                         **ddp_kwargs):
+    """Train ``model`` under DDP with the hook for ``steps`` steps, checking its bits against the reference's after
+    each (``accumulate`` micro-batches per step, all but the last under no_sync). Returns the state."""
+    reference = Reference(model, options, world_size)
+    ddp = DDP(model, process_group=group, **ddp_kwargs)
+    state = ddp_triton.register(ddp, **options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = data(step + data_shift)
+        opt.zero_grad()
+        with ddp.no_sync():
+            for _ in range(accumulate - 1):
+                ddp_backward(ddp, x, y, rank, world_size)
+        ddp_backward(ddp, x, y, rank, world_size)
+        opt.step()
+        reference.step(x, y, accumulate)
+        assert_same_params(ddp.module, reference.model, step)
+    return state
+
+
+def _same_bits_worker(rank, world_size, options, bucket_cap_mb, static_graph):
+    # Step 0 in DDP's constructor bucket order, then the rebuilt order.
+    state = train_like_reference(Wide(), options, rank, world_size, 4, bucket_cap_mb=bucket_cap_mb,
+                                 static_graph=static_graph)
+    assert state.passes == 4
+    # The summary names the format and counts what each bucket's exchange handed to the wire.
+    summary = state.summary()
+    live = [e for e in state.buckets.values() if e.last_used == state.passes - 1]
+    assert summary.wire_bytes_per_step == sum(e.exchange.send.numel() * e.exchange.send.element_size() for e in live)
+    assert all(set(b.wire_bytes) == {state.wire.name} for b in summary.buckets), str(summary)
+    fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert summary.wire_bytes_per_step < summary.fp32_bytes_per_step * (0.3 if fp8 else 0.55), str(summary)
+
+
+def _every_format_worker(rank, world_size):
+    for options in (FP8_EF, FP8_E5M2_NO_EF, BF16_FP32_SUM):
+        _same_bits_worker(rank, world_size, options, 0.002, False)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_same_bits_as_the_reference_several_buckets(world_size):
+    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums; one bucket per tensor or so."""
+    torch_path_workers(_every_format_worker, world_size)
+
+
+def _one_bucket_worker(rank, world_size):
+    for static_graph in (False, True):
+        _same_bits_worker(rank, world_size, FP8_EF, 25, static_graph)
+
+
+def test_same_bits_one_bucket_across_the_rebuild_and_with_static_graph():
+    """One bucket: DDP's rebuild after step 0 reverses its parameter order, the FP8 residuals must follow."""
+    torch_path_workers(_one_bucket_worker, 3)
+
+
+def _checkpoint_worker(rank, world_size, tmp):
+    def fresh():
+        model = Wide()
+        ddp = DDP(model)
+        state = ddp_triton.register(ddp, **FP8_EF)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            x, y = data(step)
+            opt.zero_grad()
+            ddp_backward(ddp, x, y, rank, world_size)
+            opt.step()
+
+    model, ddp, state, opt = fresh()
+    train(ddp, opt, range(6))
+    unbroken = [p.detach().clone() for p in model.parameters()]
+
+    model, ddp, state, opt = fresh()
+    train(ddp, opt, range(3))
+    path = os.path.join(tmp, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    saved = state.state_dict()
+    assert saved["first_stage"] and saved["second_stage"], "error feedback left nothing to save"
+    assert any(t.abs().sum() > 0 for t in saved["second_stage"].values())
+
+    model, ddp, state, opt = fresh()  # a fresh DDP: constructor bucket order again
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    state.load_state_dict(checkpoint["hook"])
+    train(ddp, opt, range(3, 6))
+    for name, p, q in zip([n for n, _ in model.named_parameters()], model.parameters(), unbroken):
+        assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), f"{name} differs after resuming"
+
+
+def test_checkpoint_resumes_bit_identically(tmp_path):
+    torch_path_workers(_checkpoint_worker, 3, str(tmp_path))
+
+
+def _features_worker(rank, world_size):
+    for options in (FP8_EF, BF16_FP32_SUM):
+        _features_of(rank, world_size, options)
+
+
+def _features_of(rank, world_size, options):
+    """no_sync accumulation, find_unused_parameters and a bfloat16 model, each against the reference's bits."""
+    # no_sync: two micro-batches, the second synchronising.
+    train_like_reference(Wide(), options, rank, world_size, 2, accumulate=2, bucket_cap_mb=0.002)
+    # find_unused_parameters: the unused layer's gradients are averaged as zeros.
+    train_like_reference(Wide(unused=True), options, rank, world_size, 2, bucket_cap_mb=0.002,
+                         find_unused_parameters=True)
+    # A bfloat16 model: the average is rounded once into the bfloat16 gradients.
+    train_like_reference(Wide(dtype=torch.bfloat16), options, rank, world_size, 2, bucket_cap_mb=0.002)
+
+
+def test_no_sync_unused_parameters_and_bfloat16_models():
+    torch_path_workers(_features_worker, 2)
+
+
+def _join_and_subgroup_worker(rank, world_size):
+    for options in (FP8_EF, BF16_FP32_SUM):
+        _join_and_subgroup_of(rank, world_size, options)
+
+
+def _join_and_subgroup_of(rank, world_size, options):
+    # Uneven inputs under join(): joined ranks take part in the same all-to-alls and all-gathers with zeros.
+    model = Wide()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    ddp_triton.register(ddp, **options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with ddp.join():
+        for step in range(2 + rank):
+            x, y = data(step)
+            opt.zero_grad()
+            ddp_backward(ddp, x, y, rank, world_size)
+            opt.step()
+    flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), "the ranks' models differ after join()"
+    assert torch.isfinite(flat).all()
+    # Two subgroups of two: each averages over its own ranks only, to the reference's bits; the two groups train
+    # on different data.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    train_like_reference(Wide(), options, rank % 2, 2, 2, group=groups[rank // 2], data_shift=10 * (rank // 2),
+                         bucket_cap_mb=0.002)
+
+
+def test_join_and_subgroups():
+    torch_path_workers(_join_and_subgroup_worker, 4)
+
+
+def _interpreter_worker(rank, world_size):
+    from ddp_triton.kernels import uses_triton
+
+    assert uses_triton(torch.device("cpu")), "this worker should run the Triton kernels in the interpreter"
+    for options in (FP8_EF, BF16_FP32_SUM):
+        _same_bits_worker(rank, world_size, options, 0.002, False)
+
+
+def test_wire_format_kernels_end_to_end_under_interpreter():
+    from interpreter import interpreter_problem
+
+    if interpreter_problem() is not None:
+        pytest.skip(interpreter_problem())
+    with scoped_env({"TRITON_INTERPRET": "1"}):
+        run_workers(_interpreter_worker, 3, timeout=240)
+
+
+# ---- settings -----------------------------------------------------------------------------------------------------
+
+
+def test_wire_format_names_and_bad_combinations():
+    assert resolve_wire_format(torch.bfloat16).name == "bf16"
+    assert resolve_wire_format(torch.bfloat16, torch.float32).name == "bf16+fp32sum"
+    assert resolve_wire_format(torch.float32, torch.float32).name == "fp32"  # float32 already sums in float32
+    assert resolve_wire_format(torch.float8_e4m3fn).name == "fp8e4m3+ef"
+    assert resolve_wire_format(torch.float8_e5m2, error_feedback=False).name == "fp8e5m2"
+    with pytest.raises(ValueError, match="error_feedback applies to FP8"):
+        resolve_wire_format(torch.bfloat16, error_feedback=True)
+    with pytest.raises(ValueError, match="accumulate_dtype must be"):
+        resolve_wire_format(torch.bfloat16, torch.float64)
+    with pytest.raises(ValueError, match="comm_dtype must be one of"):
+        resolve_wire_format(torch.int8)
+    with pytest.raises(ValueError, match="accumulate_dtype must be"):
+        ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn, accumulate_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 64])
+def test_bytes_sent_equal_a_ring_all_reduce_for_bf16_and_about_half_for_fp8(world_size):
+    n = 25 * 2**20 // 4  # a 25 MiB float32 bucket
+    ring_bf16 = 2 * (world_size - 1) * n * 2 // world_size
+    sharded = resolve_wire_format(torch.bfloat16, torch.float32)
+    assert abs(sharded.bytes_sent(n, 0, world_size) - ring_bf16) <= 2 * 2 * world_size  # padding to N elements
+    fp8 = resolve_wire_format(torch.float8_e4m3fn)
+    ratio = fp8.bytes_sent(n, n // 128, world_size) / ring_bf16
+    assert 132 / 256 <= ratio < 132 / 256 * 1.01  # 132 bytes per 128 elements against 256
+
+
+def _disagreement_worker(rank, world_size):
+    # Rank 0 asks for FP8, rank 1 for bf16: an all-to-all against an all-reduce would hang or abort in gloo. Both
+    # must fail at binding, with the same message.
+    options = FP8_EF if rank == 0 else dict(comm_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the wire format \(rank 0: fp8e4m3\+ef; rank 1: bf16\)"):
+        ddp_triton.register(DDP(Wide()), **options)
+
+
+def test_ranks_that_disagree_on_the_wire_format_fail_together():
+    torch_path_workers(_disagreement_worker, 2)

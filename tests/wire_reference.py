@@ -1,0 +1,79 @@
+"""Reference numerics of the wire formats, written from their definitions and kept apart from the code under test.
+
+Block-scaled FP8: each tensor cut into blocks of 128 elements (its last one short); a block's scale is the smallest
+power of two 2^e (e >= -126) with absmax / 2^e <= the format's largest finite value, found by a search in float64;
+the codes are ``tensor.to(torch.float8_*)`` of value / 2^e. Sums are float32, in rank order.
+"""
+
+from typing import List, Sequence
+
+import torch
+
+MAX_FINITE = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+BLOCK = 128
+
+
+def quantize_dequantize(values: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """float32 values of one tensor -> what block-scaled FP8 gives back, block by block (a non-finite block: NaN)."""
+    out = torch.empty_like(values)
+    flat, result = values.reshape(-1), out.view(-1)
+    for start in range(0, flat.numel(), BLOCK):
+        block = flat[start:start + BLOCK]
+        if not torch.isfinite(block).all():
+            result[start:start + BLOCK] = float("nan")
+            continue
+        absmax = block.double().abs().max().item()
+        e = -126
+        while absmax / 2.0**e > MAX_FINITE[fmt]:
+            e += 1
+        result[start:start + BLOCK] = (block / 2.0**e).to(fmt).float() * 2.0**e
+    return out
+
+
+def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, first: List[List[torch.Tensor]] = None,
+                second: List[torch.Tensor] = None) -> List[torch.Tensor]:
+    """The average of each tensor over ranks as FP8 with float32 sums: quantize each rank's ``g / N (+ its first
+    residual)``, sum the dequantized values in rank order, add the second residual, quantize again. With residual
+    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does."""
+    n = len(per_rank)
+    averaged = []
+    for i in range(len(per_rank[0])):
+        total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
+        for r in range(n):
+            value = per_rank[r][i].float() * (1.0 / n)
+            if first is not None:
+                value = value + first[r][i]
+            sent = quantize_dequantize(value, fmt)
+            if first is not None:
+                first[r][i] = _left_over(value, sent)
+            total = total + sent
+        if second is not None:
+            total = total + second[i]
+        result = quantize_dequantize(total, fmt)
+        if second is not None:
+            second[i] = _left_over(total, result)
+        averaged.append(result)
+    return averaged
+
+
+def _left_over(value: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """value - sent, block by block; zero for a block sent as NaN (a non-finite block resets its residual)."""
+    left = value - sent
+    flat, sent_flat = left.view(-1), sent.reshape(-1)
+    for start in range(0, flat.numel(), BLOCK):
+        if torch.isnan(sent_flat[start:start + BLOCK]).any():
+            flat[start:start + BLOCK] = 0.0
+    return left
+
+
+def float32_sum_average(per_rank: Sequence[Sequence[torch.Tensor]], wire: torch.dtype) -> List[torch.Tensor]:
+    """The average with 16 bits on the wire and float32 sums: round g / N to the wire dtype, sum in float32 in rank
+    order, round the sum once to the wire dtype."""
+    n = len(per_rank)
+    out = []
+    for i in range(len(per_rank[0])):
+        total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
+        for r in range(n):
+            total = total + (per_rank[r][i].float() * (1.0 / n)).to(wire).float()
+        out.append(total.to(wire).float())
+    return out
