@@ -24,6 +24,7 @@ _EXPORTS = {
     "register": "ddp_triton.runtime.hook",
     "reattach": "ddp_triton.runtime.hook",
     "CommState": "ddp_triton.runtime.state",
+    "clip_grad_norm_": "ddp_triton.runtime.clip",
     "ddp_kwargs": "ddp_triton.machine.profile",
 }
 

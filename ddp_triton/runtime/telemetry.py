@@ -1,0 +1,337 @@
+"""What the hook did per bucket, for a user to see: profiler ranges, bytes on the wire, timings, a summary table.
+
+Three pieces, each costing nothing a step does not need:
+
+- **Profiler ranges.** While a profiler records (``profiler_active``: a Python flag and one C call per bucket
+  otherwise), the hook wraps its pack, the collective's launch and its unpack in ``torch.profiler.record_function``
+  ranges named ``ddp_triton.pack bucket 3 (6.25 MiB)``, ``ddp_triton.all_reduce bucket 3 (...)``,
+  ``ddp_triton.unpack bucket 3 (...)``. The unpack runs where the collective's future completes: with NCCL inline on
+  the autograd thread (its futures complete at launch), with gloo on gloo's own thread when the all-reduce finishes
+  late, which ``torch.profiler`` records only when told to record every thread (``experimental_config=
+  torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` in recent torch); otherwise those unpack
+  ranges are missing from the trace while pack and launch ranges are all there.
+- **Bytes on the wire**, counted per collective actually issued (``count_issued``): the bytes of the tensor each
+  collective was handed, per wire format, in total and for the latest backward pass. Always on: a few integer
+  additions per bucket.
+- **Timings**, with ``CommState(timing=True)`` only: pack, communication (from the collective's launch to the start
+  of its unpack, in stream order) and unpack of each bucket in the latest pass. On CUDA tensors they are CUDA
+  events recorded on the tensors' stream and read back only in ``summary()`` (which waits for them: the step never
+  synchronises); on CPU tensors, where pack and unpack run on the host, ``time.perf_counter`` around them, labelled
+  ``host perf_counter`` (the communication time then includes the wait for gloo's thread to run the callback).
+
+A bucket path of its own (another wire format) plugs in the same way as the hook's: it calls ``count_issued`` once
+per collective it issues, with its format's name, and may set ``BucketRecord.wire_format`` to name the bucket's
+format in the summary; ``watch`` and its phases take any phase name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd import profiler as _autograd_profiler
+
+from ..dtypes import normalize_dtype
+
+#: The clock of the timings: CUDA events on CUDA tensors, the host's perf_counter on CPU tensors.
+CUDA_EVENTS = "cuda events"
+HOST_CLOCK = "host perf_counter"
+
+
+def human_bytes(n: float) -> str:
+    """``6553600`` -> ``"6.25 MiB"`` (binary units, three significant digits)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"  # unreachable; keeps type checkers calm
+
+
+@dataclass
+class BucketRecord:
+    """One bucket's telemetry: its index, what was sent for it, and (with timing) its latest pass's marks."""
+
+    index: Optional[int] = None
+    """DDP's index of the bucket (``GradBucket.index()``), known once a collective was issued for it."""
+    wire_format: Optional[str] = None
+    """The bucket's wire format as the summary names it; None: from the communication tensor's dtype."""
+    collectives: int = 0
+    """Collectives issued for this bucket, over all passes."""
+    sent_bytes: Dict[str, int] = field(default_factory=dict)
+    """Bytes handed to collectives, per wire format, over all passes."""
+    pass_id: int = -1
+    """The backward pass (``CommState`` pass count) that ``pass_bytes`` belongs to."""
+    pass_bytes: Dict[str, int] = field(default_factory=dict)
+    """Bytes handed to collectives in pass ``pass_id``, per wire format."""
+    marks: Dict[str, list] = field(default_factory=dict, repr=False)
+    """Timing: phase -> [start, end], CUDA events or perf_counter seconds, overwritten every pass."""
+    clock: Optional[str] = None
+    """CUDA_EVENTS or HOST_CLOCK once timed; None before."""
+    labels: Dict[str, str] = field(default_factory=dict, repr=False)
+    """Profiler range names per phase, made once."""
+
+    def sent(self, pass_id: int, nbytes: int, wire_format: str) -> None:
+        """Count one collective issued in pass ``pass_id`` that was handed ``nbytes`` bytes in ``wire_format``."""
+        if pass_id != self.pass_id:
+            self.pass_id = pass_id
+            self.pass_bytes = {}
+        self.pass_bytes[wire_format] = self.pass_bytes.get(wire_format, 0) + nbytes
+        self.sent_bytes[wire_format] = self.sent_bytes.get(wire_format, 0) + nbytes
+        self.collectives += 1
+
+    def label(self, phase: str, bucket_bytes: int) -> str:
+        name = self.labels.get(phase)
+        if name is None:
+            name = self.labels[phase] = f"ddp_triton.{phase} bucket {self.index} ({human_bytes(bucket_bytes)})"
+        return name
+
+
+def wire_name(dtype: torch.dtype) -> str:
+    """A dtype as a wire format's name: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return normalize_dtype(dtype)
+
+
+def count_issued(comm: Any, bucket: Any, tensor: torch.Tensor, wire_format: Optional[str] = None) -> None:
+    """Count one collective issued for ``comm`` (a BucketComm) in its current pass: ``tensor``'s bytes, under
+    ``wire_format`` (default: the tensor's dtype). ``bucket``, DDP's GradBucket, gives the bucket's index once."""
+    record = comm.record
+    if record.index is None:
+        record.index = bucket.index()
+    record.sent(comm.last_used, tensor.numel() * tensor.element_size(),
+                wire_format if wire_format is not None else wire_name(tensor.dtype))
+
+
+# ---- profiler ranges and timing -------------------------------------------------------------------------------------
+
+
+def profiler_active() -> bool:
+    """Whether a profiler records: torch's Python-level flag (set by ``torch.profiler.profile``, also when it
+    records every thread), else the calling thread's profiler state (``emit_nvtx`` and other direct uses)."""
+    return getattr(_autograd_profiler, "_is_profiler_enabled", False) or torch.autograd._profiler_enabled()
+
+
+def watch(state: Any, comm: Any, bucket: Any) -> Optional["Watch"]:
+    """The bucket's phases to record this pass: None (the hook's plain path) unless a profiler records or
+    ``state.timing`` is on."""
+    profiling = profiler_active()
+    if not (profiling or state.timing):
+        return None
+    if comm.record.index is None:
+        comm.record.index = bucket.index()
+    return Watch(comm, profiling, bool(state.timing))
+
+
+class Watch:
+    """Ranges and timing marks around one bucket's phases in one pass (see the module docstring)."""
+
+    __slots__ = ("record", "profiling", "timing", "device", "nbytes", "comm_started")
+
+    def __init__(self, comm: Any, profiling: bool, timing: bool) -> None:
+        self.record: BucketRecord = comm.record
+        self.profiling, self.timing = profiling, timing
+        self.comm_started = False
+        self.device = comm.buffer.device
+        self.nbytes = comm.buffer.numel() * comm.buffer.element_size()
+        if timing:
+            self.record.clock = CUDA_EVENTS if self.device.type == "cuda" else HOST_CLOCK
+
+    def phase(self, name: str) -> "_Phase":
+        """A context manager around phase ``name`` ("pack", "all_reduce", ...): its profiler range, and with timing
+        its marks. The first communication phase of the pass ("all_reduce", "all_to_all", ...) also starts "comm"."""
+        return _Phase(self, name)
+
+    def unpack(self, unpack: Callable[[], None]) -> Callable[[], None]:
+        """``unpack`` wrapped in its range and marks, to run where the collective's future completes. Its start ends
+        the "comm" mark."""
+
+        def run() -> None:
+            if self.timing:
+                self.mark("comm", 1)
+            with _Phase(self, "unpack"):
+                unpack()
+
+        return run
+
+    def mark(self, phase: str, end: int) -> None:
+        marks = self.record.marks.get(phase)
+        if marks is None:
+            marks = self.record.marks[phase] = [None, None]
+        if self.device.type == "cuda":
+            event = marks[end]
+            if event is None:
+                event = marks[end] = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+        else:
+            marks[end] = time.perf_counter()
+            if not end and marks[1] is not None:
+                marks[1] = None  # a new pass: the old end no longer belongs to this start
+
+
+_COMM_PHASES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter", "collective")
+
+
+class _Phase:
+    __slots__ = ("watch", "name", "range")
+
+    def __init__(self, watch: Watch, name: str) -> None:
+        self.watch, self.name, self.range = watch, name, None
+
+    def __enter__(self) -> "_Phase":
+        w = self.watch
+        if w.profiling:
+            self.range = torch.profiler.record_function(w.record.label(self.name, w.nbytes))
+            self.range.__enter__()
+        if w.timing:
+            if self.name in _COMM_PHASES and not w.comm_started:
+                w.comm_started = True
+                w.mark("comm", 0)
+            w.mark(self.name, 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        w = self.watch
+        if w.timing:
+            w.mark(self.name, 1)
+        if self.range is not None:
+            self.range.__exit__(*exc)
+
+
+# ---- the summary -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BucketSummary:
+    """One bucket of the latest backward pass."""
+
+    index: Optional[int]
+    """DDP's bucket index."""
+    dtype: str
+    """The gradients' (bucket's) dtype."""
+    elements: int
+    bucket_bytes: int
+    """Bytes of DDP's bucket buffer."""
+    wire_format: str
+    """What travels: the comm dtype, "(AVG)" where the collective averages, or a bucket path's own format."""
+    algorithm: str
+    """The NCCL algorithm group the bucket was sent to ("NCCL's choice" without a profile; the backend's name
+    off NCCL)."""
+    wire_bytes: Dict[str, int]
+    """Bytes handed to collectives for this bucket in the latest pass, per wire format."""
+    wire_bytes_total: Dict[str, int]
+    """... over every pass the state has seen."""
+    collectives: int
+    """Collectives issued for this bucket over every pass."""
+    pack_ms: Optional[float] = None
+    comm_ms: Optional[float] = None
+    unpack_ms: Optional[float] = None
+    """Timings of the latest pass (``timing=True``); None without."""
+
+    @property
+    def sent(self) -> int:
+        """Bytes on the wire for this bucket in the latest pass, all formats."""
+        return sum(self.wire_bytes.values())
+
+
+@dataclass
+class Summary:
+    """What ``CommState.summary()`` returns; ``print`` it for a table."""
+
+    buckets: List[BucketSummary]
+    """The buckets of the latest backward pass, by DDP's index."""
+    passes: int
+    """Backward passes the state has averaged."""
+    world_size: Optional[int]
+    backend: Optional[str]
+    clock: Optional[str]
+    """How the timings were taken: CUDA_EVENTS, HOST_CLOCK, or None (no timing)."""
+
+    @property
+    def wire_bytes_per_step(self) -> int:
+        """Bytes handed to collectives in the latest pass, over its buckets."""
+        return sum(b.sent for b in self.buckets)
+
+    @property
+    def fp32_bytes_per_step(self) -> int:
+        """What the same gradients would send as float32 (DDP's default all-reduce of float32 gradients)."""
+        return sum(b.elements * 4 for b in self.buckets)
+
+    def headline(self) -> str:
+        """One line: buckets, bytes on the wire per step against float32, the algorithm per bucket."""
+        if not self.buckets:
+            return "ddp_triton: no backward pass through the hook yet"
+        sent, fp32 = self.wire_bytes_per_step, self.fp32_bytes_per_step
+        algorithms = ", ".join(b.algorithm for b in self.buckets)
+        n = len(self.buckets)
+        return (f"ddp_triton: {n} bucket{'s' if n != 1 else ''}, {human_bytes(sent)} on the wire per step "
+                f"({sent / fp32:.2f}x float32's {human_bytes(fp32)}), algorithm per bucket: {algorithms}")
+
+    def __str__(self) -> str:
+        timed = self.clock is not None
+        headers = ["bucket", "dtype", "bucket bytes", "wire format", "on the wire (last pass)", "algorithm"]
+        if timed:
+            headers += ["pack ms", "comm ms", "unpack ms"]
+        rows = []
+        for b in self.buckets:
+            wire = ", ".join(f"{human_bytes(n)} {fmt}" for fmt, n in b.wire_bytes.items()) or "-"
+            row = [str(b.index), b.dtype, human_bytes(b.bucket_bytes), b.wire_format, wire, b.algorithm]
+            if timed:
+                row += [_ms(b.pack_ms), _ms(b.comm_ms), _ms(b.unpack_ms)]
+            rows.append(row)
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(self.headline())
+        if timed:
+            lines.append(f"timings of the latest pass, by {self.clock}"
+                         + (" (CPU tensors: no CUDA events; comm includes gloo's callback wait)"
+                            if self.clock == HOST_CLOCK else ""))
+        return "\n".join(lines)
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def elapsed_ms(marks: Optional[list]) -> Optional[float]:
+    """Milliseconds between a phase's start and end marks; waits for CUDA events (only ``summary`` calls this)."""
+    if not marks or marks[0] is None or marks[1] is None:
+        return None
+    start, end = marks
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def summarize(state: Any, entries: List[Any]) -> Summary:
+    """The summary of ``entries`` (BucketComm, the latest pass's), from ``state``'s settings."""
+    backend = getattr(state, "backend", None)
+    rows = []
+    for e in sorted(entries, key=lambda e: (e.record.index is None, e.record.index or 0)):
+        record: BucketRecord = e.record
+        if record.wire_format is not None:
+            wire = record.wire_format
+        else:
+            wire = wire_name(e.comm.dtype) + (" (AVG)" if _is_avg(e.op) else "")
+        algorithm = e.algorithm or ("NCCL's choice" if backend == "nccl" else (backend or "-"))
+        timed = record.clock is not None and state.timing
+        rows.append(BucketSummary(
+            index=record.index, dtype=wire_name(e.buffer.dtype), elements=e.buffer.numel(),
+            bucket_bytes=e.buffer.numel() * e.buffer.element_size(), wire_format=wire, algorithm=algorithm,
+            wire_bytes=dict(record.pass_bytes) if record.pass_id == e.last_used else {},
+            wire_bytes_total=dict(record.sent_bytes), collectives=record.collectives,
+            pack_ms=elapsed_ms(record.marks.get("pack")) if timed else None,
+            comm_ms=elapsed_ms(record.marks.get("comm")) if timed else None,
+            unpack_ms=elapsed_ms(record.marks.get("unpack")) if timed else None,
+        ))
+    clocks = {e.record.clock for e in entries if e.record.clock is not None}
+    clock = (clocks.pop() if len(clocks) == 1 else "mixed") if clocks and state.timing else None
+    return Summary(buckets=rows, passes=state._passes, world_size=getattr(state, "world_size", None),
+                   backend=backend, clock=clock)
+
+
+def _is_avg(op: Any) -> bool:
+    return dist.is_available() and op == dist.ReduceOp.AVG

@@ -1,0 +1,323 @@
+"""Gradient norm, non-finite check and clip_grad_norm_ from the hook's unpack statistics (grad_stats=True).
+
+Tiers: gloo multi-process on CPU at world sizes 2 and 3 (spawned here, the kernels' torch CPU path, as in CPU
+production); every case of one world size runs in one spawned job, to keep the suite fast. One GPU test (NCCL at
+world size 1, the AVG path and CUDA events) runs where CUDA is present and skips otherwise.
+
+The reference is torch itself on the same averaged gradients: ``torch.nn.utils.clip_grad_norm_`` on copies of the
+gradients the hook produced, and their norm in float64. ``ddp_triton.clip_grad_norm_`` must give torch's norm and
+torch's clipped gradients, without calling torch's function when the state vouches for the gradients (it is
+patched to fail there), and must call it, with the same results, in each fallback case.
+"""
+
+import math
+import os
+import pickle
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from ddp_triton.runtime.grad_stats import cannot_vouch
+from test_hook import IN, OUT, TwoDtypes, local_backward, local_slice, make_data, make_model, torch_path_workers
+
+TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+# float32 gradients: the state sums squares per bucket in float32 where torch takes a norm per tensor and then the
+# norm of the norms; over ~1.5k values that is a different float32 summation order, a few ulps (1.2e-7 each).
+FP32_RTOL = 1e-5
+# bfloat16 gradients: torch returns the norm of its bfloat16 tensors rounded to bfloat16 (2**-9 relative) before
+# it combines them, while the state keeps float32; clipped bfloat16 gradients may then round one ulp (2**-8) apart.
+BF16_RTOL = 2**-7
+
+
+def float64_norm(model):
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return math.sqrt(sum(float(g.square().sum()) for g in grads))
+
+
+def torch_reference(model, max_norm, norm_type=2.0):
+    """torch's clip_grad_norm_ on copies of the model's gradients: (total norm, clipped gradients or None)."""
+    shadows = []
+    for p in model.parameters():
+        s = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        s.grad = None if p.grad is None else p.grad.clone()
+        shadows.append(s)
+    norm = TORCH_CLIP(shadows, max_norm, norm_type)
+    return norm, [s.grad for s in shadows]
+
+
+def assert_grads(model, expected, rtol):
+    for (name, p), g in zip(model.named_parameters(), expected):
+        if g is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, g, rtol=rtol, atol=1e-7, msg=name)
+
+
+def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL):
+    """The state vouches, its norm is the gradients' norm, and its clip is torch's without calling torch's."""
+    assert cannot_vouch(ddp, state) is None, cannot_vouch(ddp, state)
+    norm = state.grad_norm()
+    assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.device == next(ddp.parameters()).device
+    assert float(norm) == pytest.approx(float64_norm(ddp), rel=FP32_RTOL)  # float32 sums against float64
+    assert float(state.found_inf()) == 0.0
+    expected_norm, expected_grads = torch_reference(ddp, max_norm)
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("torch's clip ran")):
+        clipped = ddp_triton.clip_grad_norm_(ddp, max_norm, state=state)
+    assert float(clipped) == pytest.approx(float(expected_norm), rel=rtol)
+    assert_grads(ddp, expected_grads, rtol)
+    return float(clipped)
+
+
+def check_fallback(ddp, state, max_norm, reason, norm_type=2.0):
+    """The state declines (saying ``reason``) and clip_grad_norm_ is torch's, with torch's results."""
+    why = cannot_vouch(ddp, state, norm_type) if state is not None else "no CommState"
+    assert why is not None and reason in why, why
+    expected_norm, expected_grads = torch_reference(ddp, max_norm, norm_type)
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=TORCH_CLIP) as torch_clip:
+        clipped = ddp_triton.clip_grad_norm_(ddp, max_norm, state=state, norm_type=norm_type)
+    assert torch_clip.call_count == 1
+    assert float(clipped) == float(expected_norm)
+    assert_grads(ddp, expected_grads, rtol=0)
+
+
+def step(ddp, rank, world_size, data_step, set_to_none=True):
+    ddp.zero_grad(set_to_none=set_to_none)
+    x, y = make_data(data_step)
+    local_backward(ddp, x, y, rank, world_size)
+
+
+# ---- the cases, run one after another in each spawned job --------------------------------------------------------
+
+
+def _several_buckets(rank, world_size):
+    # bfloat16 and float16 on the wire (a kernel each way) and float32 (in place: the pack scales, the unpack is the
+    # stats pass), gradients as bucket views or copied out of the buckets, through DDP's rebuild of its buckets
+    for comm_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for gabv in (False, True):
+            ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
+            state = ddp_triton.register(ddp, comm_dtype=comm_dtype, grad_stats=True)
+            for s, max_norm in enumerate((0.05, 1e3)):  # clipped, then a coefficient clamped to 1
+                step(ddp, rank, world_size, s)
+                if s == 1:  # DDP's buckets after its rebuild (the first pass has one large first bucket)
+                    assert sum(e.last_used == state._passes - 1 for e in state.buckets.values()) > 1
+                check_clip_via_state(ddp, state, max_norm)
+
+
+def _no_sync(rank, world_size):
+    for gabv in (False, True):
+        ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
+        state = ddp_triton.register(ddp, grad_stats=True)
+        for s in range(2):
+            ddp.zero_grad()
+            with ddp.no_sync():  # accumulates locally; the hook does not run
+                x, y = make_data(10 * s)
+                local_backward(ddp, x, y, rank, world_size)
+            passes = state._passes
+            x, y = make_data(10 * s + 1)
+            local_backward(ddp, x, y, rank, world_size)
+            assert state._passes == passes + 1  # the statistics are the synchronising backward's
+            check_clip_via_state(ddp, state, 0.05)
+
+
+class Partly(nn.Module):
+    """A branch used on some ranks or steps only (find_unused_parameters), and a frozen layer (no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(IN, OUT)
+        self.branch = nn.Linear(IN, OUT)
+        self.frozen = nn.Linear(OUT, OUT).requires_grad_(False)
+        self.use_branch = True
+
+    def forward(self, x):
+        out = self.trunk(x)
+        return self.frozen(out + self.branch(x) if self.use_branch else out)
+
+
+def _unused_parameters(rank, world_size):
+    for gabv in (False, True):
+        model = Partly()
+        ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=gabv)
+        state = ddp_triton.register(ddp, grad_stats=True)
+        for s, use in enumerate((rank == 0, False, True)):  # used on rank 0 only, on no rank, on every rank
+            model.use_branch = use
+            step(ddp, rank, world_size, s)
+            assert model.frozen.weight.grad is None
+            if s == 1 and not gabv:  # unused everywhere: DDP leaves their gradients unset; torch skips them too
+                assert model.branch.weight.grad is None
+            check_clip_via_state(ddp, state, 0.05)
+
+
+def _mixed_dtypes(rank, world_size):
+    # float32 and bfloat16 parameters: DDP gives each dtype its own buckets; bfloat16 on the wire sends the bfloat16
+    # bucket in place (the unpack is then the stats pass), float32 on the wire widens it
+    for comm_dtype in (torch.bfloat16, torch.float32):
+        for gabv in (False, True):
+            model = TwoDtypes()
+            ddp = DDP(model, gradient_as_bucket_view=gabv)
+            state = ddp_triton.register(ddp, comm_dtype=comm_dtype, grad_stats=True)
+            x, y = make_data(0)
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            assert {e.buffer.dtype for e in state.buckets.values()} == {torch.float32, torch.bfloat16}
+            check_clip_via_state(ddp, state, 0.05, rtol=BF16_RTOL)
+
+
+def _non_finite(rank, world_size):
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, grad_stats=True)
+    for poison in (math.inf, math.nan):
+        ddp.zero_grad()
+        x, y = make_data(0)
+        loss = nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        (loss * (poison if rank == world_size - 1 else 1.0)).backward()  # the last rank's gradients only
+        assert float(state.found_inf()) == 1.0, "every rank sees the non-finite average"
+        assert cannot_vouch(ddp, state) is None
+        ours = state.grad_norm()
+        theirs, _ = torch_reference(ddp, 1.0)
+        assert not math.isfinite(float(ours)) and math.isnan(float(ours)) == math.isnan(float(theirs))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            ddp_triton.clip_grad_norm_(ddp, 1.0, state=state, error_if_nonfinite=True)
+    step(ddp, rank, world_size, 1)
+    assert float(state.found_inf()) == 0.0
+    check_clip_via_state(ddp, state, 0.05)
+
+
+def _join(rank, world_size):
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, grad_stats=True)
+    with ddp.join():
+        for s in range(2 + rank):  # uneven inputs: rank r has 2 + r batches
+            step(ddp, rank, world_size, s)
+            check_clip_via_state(ddp, state, 0.05)
+
+
+def _fallbacks(rank, world_size):
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, grad_stats=True)
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        state.grad_norm()
+    step(ddp, rank, world_size, 0)
+    check_fallback(ddp, state, 0.05, "norm_type", norm_type=math.inf)
+    step(ddp, rank, world_size, 0)
+    check_fallback(ddp, state, 0.05, "norm_type", norm_type=1.0)
+    step(ddp, rank, world_size, 0)
+    first = next(ddp.parameters())
+    first.grad.mul_(2.0)  # changed in place after the backward
+    check_fallback(ddp, state, 0.05, "changed since")
+    step(ddp, rank, world_size, 0)
+    first.grad = first.grad.clone()  # replaced
+    check_fallback(ddp, state, 0.05, "changed since")
+    step(ddp, rank, world_size, 0)
+    before = float(state.grad_norm())
+    with ddp.no_sync():  # a backward that accumulates after the synchronising one
+        x, y = make_data(1)
+        local_backward(ddp, x, y, rank, world_size)
+    assert float(state.grad_norm()) == before  # still the synchronising backward's norm, as documented
+    check_fallback(ddp, state, 0.05, "changed since")
+    # a gradient on a parameter DDP does not reduce
+    frozen = nn.Linear(OUT, OUT).requires_grad_(False)
+    frozen_ddp = DDP(nn.Sequential(make_model(), frozen), bucket_cap_mb=0.002)
+    frozen_state = ddp_triton.register(frozen_ddp, grad_stats=True)
+    step(frozen_ddp, rank, world_size, 0)
+    frozen.weight.grad = torch.ones_like(frozen.weight)
+    check_fallback(frozen_ddp, frozen_state, 0.05, "not in the latest synchronising backward")
+    # copied-out gradients (the default) with find_unused_parameters and zero_grad(set_to_none=False): DDP leaves
+    # a gradient unused on every rank as it was, which the state cannot vouch for
+    model = Partly()
+    partly = DDP(model, find_unused_parameters=True)
+    partly_state = ddp_triton.register(partly, grad_stats=True)
+    model.use_branch = True
+    step(partly, rank, world_size, 0, set_to_none=False)
+    model.use_branch = False
+    step(partly, rank, world_size, 1, set_to_none=False)
+    check_fallback(partly, partly_state, 0.05, "did not write it")
+    # statistics off, no state at all, the per-parameter calls of compiled autograd's Python reducer
+    plain = DDP(make_model(), bucket_cap_mb=0.002)
+    plain_state = ddp_triton.register(plain)
+    step(plain, rank, world_size, 0)
+    with pytest.raises(RuntimeError, match="grad_stats=True"):
+        plain_state.found_inf()
+    check_fallback(plain, plain_state, 0.05, "without grad_stats")
+    no_hook = DDP(make_model(), bucket_cap_mb=0.002)
+    step(no_hook, rank, world_size, 0)
+    check_fallback(no_hook, None, 0.05, "no CommState")
+    step(ddp, rank, world_size, 0)
+    for p in ddp.parameters():  # what DDP's Python reducer calls under compiled autograd (traced, there)
+        ddp_triton.triton_hook(state, (p.grad, p))
+    with pytest.raises(RuntimeError, match="per parameter"):
+        state.grad_norm()
+    check_fallback(ddp, state, 0.05, "per parameter")
+    # the settings survive pickling (torch.save of a whole model)
+    restored = pickle.loads(pickle.dumps(ddp_triton.CommState(grad_stats=True, timing=True, profile=None)))
+    assert restored.grad_stats and restored.timing
+
+
+def _grad_stats_worker(rank, world_size):
+    for case in (_several_buckets, _no_sync, _unused_parameters, _mixed_dtypes, _non_finite, _join):
+        case(rank, world_size)
+    if world_size == 2:  # the fallbacks do not depend on the world size: once is enough
+        _fallbacks(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grad_norm_found_inf_and_clip_match_torch(world_size):
+    torch_path_workers(_grad_stats_worker, world_size)
+
+
+def test_in_place_unpack_at_scale_one_is_a_stats_pass():
+    """What the AVG and in-place buckets run with stats on: the values stay, the statistics are theirs."""
+    from ddp_triton.kernels import bind_unpack
+
+    for dtype in (torch.float32, torch.bfloat16):
+        buffer = torch.randn(1000).to(dtype)
+        buffer[7] = math.inf
+        before = buffer.clone()
+        stats = torch.full((2,), -1.0)
+        bind_unpack(buffer, [buffer], 1.0, stats=stats)()
+        assert torch.equal(buffer, before)
+        finite = before.float()[torch.isfinite(before)]
+        assert float(stats[1]) == 1.0 and float(stats[0]) == math.inf
+        stats_finite = torch.zeros(2)
+        buffer[7] = 0.0
+        bind_unpack(buffer, [buffer], 1.0, stats=stats_finite)()
+        assert float(stats_finite[0]) == pytest.approx(float(finite.double().square().sum()), rel=FP32_RTOL)
+
+
+# ---- GPU: NCCL at world size 1, where float32 buckets take NCCL's AVG ------------------------------------------------
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16], ids=["avg", "bf16"])
+def test_grad_stats_over_nccl(nccl_world_of_one, comm_dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True, bucket_cap_mb=0.01)
+    state = ddp_triton.register(ddp, comm_dtype=comm_dtype, profile=None, grad_stats=True, timing=True)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(3):  # the third step runs on the buckets DDP rebuilt after the first
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    if comm_dtype == torch.float32:
+        assert all(e.op == dist.ReduceOp.AVG for e in state.buckets.values())
+    check_clip_via_state(ddp, state, 0.01)
+    summary = state.summary()
+    assert summary.clock == "cuda events"
+    assert all(b.pack_ms is not None and b.comm_ms >= 0 and b.unpack_ms >= 0 for b in summary.buckets)
