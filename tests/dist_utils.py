@@ -1,7 +1,8 @@
 """Run a function on N real processes joined by a gloo process group, and bring failures back to the test.
 
 Each worker gets its own process (torch.multiprocessing, spawn), a FileStore in a fresh temporary directory (no
-port to collide with), and runs ``fn(rank, world_size, *args)``. A worker's exception is re-raised in the test with
+port to collide with), and runs ``fn(rank, world_size, *args)``. With ``init=False`` the worker starts without a
+process group, so ``fn`` can build things before one exists; it joins the group with ``init_gloo(rank, world_size)``. A worker's exception is re-raised in the test with
 its traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI; a worker
 that dies without reporting (a crash) fails the test too.
 """
@@ -23,11 +24,24 @@ class WorkerError(AssertionError):
     """A worker raised; the message carries its rank and traceback."""
 
 
-def _worker(rank: int, world_size: int, store_path: str, results: Any, fn: Callable, args: tuple) -> None:
+_STORE_ENV = "DDPT_TEST_STORE"
+
+
+def init_gloo(rank: int, world_size: int) -> None:
+    """Join the workers' gloo group through their FileStore (for ``run_workers(..., init=False)``)."""
+    store = dist.FileStore(os.environ[_STORE_ENV], world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
+def _worker(rank: int, world_size: int, store_path: str, results: Any, fn: Callable, args: tuple,
+            init: bool = True) -> None:
     try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        os.environ[_STORE_ENV] = store_path
+        if init:
+            init_gloo(rank, world_size)
         fn(rank, world_size, *args)
+        if not dist.is_initialized():
+            raise AssertionError("a worker started with init=False must join the group (init_gloo)")
         dist.barrier()  # nobody leaves while another rank may still be talking to it
         results.put((rank, None))
     except BaseException:  # everything, assertion errors included, goes back to the test
@@ -40,13 +54,16 @@ def _worker(rank: int, world_size: int, store_path: str, results: Any, fn: Calla
     os._exit(0)
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise WorkerError if any fails."""
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, init: bool = True) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise WorkerError if any fails.
+
+    ``init=False``: ``fn`` starts before the process group exists and joins it itself (``init_gloo``)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, results, fn, args), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, results, fn, args, init),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

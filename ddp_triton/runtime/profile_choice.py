@@ -39,6 +39,12 @@ def _model_profile(state: Any) -> Optional[Profile]:
         return None
 
 
+def check_profile_spec(spec: Any) -> None:
+    """Refuse, before anything is resolved, a ``profile`` argument of a kind ``resolve_profile`` does not take."""
+    if spec is not None and not isinstance(spec, (str, os.PathLike, Profile)):
+        raise TypeError(f"profile must be None, 'auto', a path or a Profile, got {type(spec).__name__}")
+
+
 def resolve_profile(spec: Any, state: Any) -> Optional[Profile]:
     """The Profile a CommState follows, or None to leave the algorithm to NCCL.
 
