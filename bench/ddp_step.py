@@ -5,7 +5,10 @@
     python -m bench.ddp_step --small --steps 5             # a quick CPU smoke run
 
 Model: 12 blocks of Linear(1024, 4096) - GELU - Linear(4096, 1024), 100.7M parameters, batch 64, SGD. Each
-variant (no hook, torch's allreduce_hook and bf16_compress_hook, triton_hook in bfloat16 and float32) runs with
+variant (no hook, torch's allreduce_hook and bf16_compress_hook, triton_hook in bfloat16 and float32, and
+triton_hook in bfloat16 followed by gradient clipping, "hook + clip via state" (``ddp_triton.clip_grad_norm_``
+with the norm the unpack computed, ``grad_stats=True``) against "hook + torch clip"
+(``torch.nn.utils.clip_grad_norm_``, which reads every gradient again)) runs with
 ``gradient_as_bucket_view`` off and on, on its own copy of the model, and is timed per step after warm-up (the
 step is synchronised, so the time includes the all-reduces); the variants take turns in rounds, so that a slow
 patch of the machine does not land on one of them. At world size 1 the all-reduce is nearly free and the
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,7 +38,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import append_results, environment, format_table, save_json  # noqa: E402
+from ddp_triton.runtime.grad_stats import cannot_vouch  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
+
+#: max_norm of the clipping variants: a value the model's gradients exceed, so that every step scales them.
+CLIP_MAX_NORM = 1e-3
 
 
 def make_model(width: int, blocks: int) -> nn.Module:
@@ -66,8 +73,25 @@ def init() -> torch.device:
     return device
 
 
-def register(ddp: DDP, variant: str) -> None:
-    """Attach the variant's hook; each triton variant gets its own state (one per model)."""
+def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], None]]:
+    """Attach the variant's hook; each triton variant gets its own state (one per model). Returns the clip the
+    variant runs after each backward, if it clips."""
+    if variant == "triton_hook_bf16_clip_state":  # "hook + clip via state"
+        state = ddp_triton.register(ddp, comm_dtype=torch.bfloat16, grad_stats=True)
+        checked: List[bool] = []
+
+        def clip_via_state() -> None:
+            if not checked:  # once: a fallback to torch's clip would time the wrong thing
+                checked.append(True)
+                reason = cannot_vouch(ddp, state)
+                if reason is not None:
+                    notes.append(f"triton_hook_bf16_clip_state fell back to torch's clip: {reason}")
+            ddp_triton.clip_grad_norm_(ddp, CLIP_MAX_NORM, state=state)
+
+        return clip_via_state
+    if variant == "triton_hook_bf16_clip_torch":  # "hook + torch clip"
+        ddp_triton.register(ddp, comm_dtype=torch.bfloat16)
+        return lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP_MAX_NORM)
     if variant == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif variant == "bf16_compress_hook":
@@ -76,16 +100,26 @@ def register(ddp: DDP, variant: str) -> None:
         ddp_triton.register(ddp, comm_dtype=torch.bfloat16)
     elif variant == "triton_hook_fp32":
         ddp_triton.register(ddp, comm_dtype=torch.float32)
+    elif variant == "triton_hook_bf16_fp32sum":  # bf16 on the wire, float32 sums (all-to-all + all-gather)
+        ddp_triton.register(ddp, comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
+    elif variant == "triton_hook_fp8":  # block-scaled E4M3 with error feedback
+        ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn)
+    elif variant == "triton_hook_fp8_no_ef":
+        ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, error_feedback=False)
     elif variant != "no_hook":
         raise ValueError(f"unknown variant {variant}")
+    return None
 
 
-def time_steps(ddp: DDP, x: torch.Tensor, steps: int, warmup: int, device: torch.device) -> List[float]:
+def time_steps(ddp: DDP, x: torch.Tensor, steps: int, warmup: int, device: torch.device,
+               clip: Optional[Callable[[], None]] = None) -> List[float]:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         ddp(x).float().square().mean().backward()
+        if clip is not None:
+            clip()
         opt.step()
 
     def sync() -> None:
@@ -112,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--small", action="store_true", help="width 128, 2 blocks: a CPU smoke run")
     p.add_argument("--variants", default="no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,"
-                                          "triton_hook_fp32")
+                                          "triton_hook_fp32,triton_hook_bf16_clip_state,triton_hook_bf16_clip_torch")
     p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
@@ -141,14 +175,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             ddp = DDP(copy.deepcopy(base), device_ids=[device.index] if device.type == "cuda" else None,
                       gradient_as_bucket_view=gabv)
-            register(ddp, variant)
-            models.append((variant, ddp, []))
+            clip = register(ddp, variant, notes)
+            models.append((variant, ddp, clip, []))
         # Rounds, each variant in turn: a slow patch of the machine (clocks, another tenant) hits them all alike.
         for round_ in range(args.rounds):
-            for _, ddp, times in models:
+            for _, ddp, clip, times in models:
                 times += time_steps(ddp, x, max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2,
-                                    device)
-        for variant, _, times in models:
+                                    device, clip)
+        for variant, _, _, times in models:
             rows.append({"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
                          "min_ms": min(times), "steps": len(times)})
         del models

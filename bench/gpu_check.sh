@@ -30,7 +30,7 @@ publish() {
     printf '%s\n' "${summary[@]}"
   } >"$work/summary.txt"
   cp "$work/summary.txt" bench/RESULTS.md "$out/"
-  cp "$work"/kernels-*.json "$work"/ddp_step-*.json "$out/" 2>/dev/null
+  cp "$work"/kernels-*.json "$work"/ddp_step-*.json "$work"/wire_kernels-*.json "$out/" 2>/dev/null
   tar czf "$out/gpu_check.tgz" -C "$work" .
 }
 
@@ -76,6 +76,12 @@ python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
 step gpu_tests 130 20 python3 -m pytest -q -m gpu "${per_test[@]}" tests
 
 step ddp_step 80 16 python3 -m bench.ddp_step --out-dir "$work"
+
+# The wire formats (issue 12): their kernels against the copy ceiling, and a DDP step with each at world size 1
+# (NCCL's all-to-all and all-gather over one rank: the kernels' cost in a step, not a network's).
+step wire_kernels 40 12 python3 -m bench.wire_kernels --out-dir "$work"
+step ddp_wire 60 12 python3 -m bench.ddp_step --out-dir "$work" --rounds 3 \
+  --variants no_hook,triton_hook_bf16,triton_hook_bf16_fp32sum,triton_hook_fp8,triton_hook_fp8_no_ef
 
 # Its own cache folder, so that nothing later is steered by this profile.
 XDG_CACHE_HOME="$work/cache" step autotune 60 15 python3 -m ddp_triton.cli autotune --min-bytes 1K --max-bytes 64M \

@@ -4,8 +4,9 @@
 
 NCCL on GPUs (one per process), gloo on CPU otherwise. The data is synthetic (a fixed random teacher network labels
 random inputs) so the script needs no download, and the loss visibly falls. It shows the pieces a real job has:
-DistributedSampler with set_epoch, gradient accumulation with no_sync, gradient clipping, a checkpoint written from
-model.module on rank 0, and the hook registered with one line.
+DistributedSampler with set_epoch, gradient accumulation with no_sync, gradient clipping (with the norm the hook's
+unpack computed), a checkpoint written from model.module on rank 0, the hook registered with one line, and at the
+end one line of what the hook sent.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddp_triton
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
+          "fp8e5m2": torch.float8_e5m2}
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,7 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
-    p.add_argument("--comm-dtype", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
+    p.add_argument("--comm-dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype on the wire (fp8: block-scaled, float32 sums, error feedback)")
+    p.add_argument("--fp32-sums", action="store_true", help="bf16/fp16 on the wire, summed in float32")
     p.add_argument("--no-hook", action="store_true", help="plain DDP, for comparison")
     p.add_argument("--checkpoint", default="checkpoints/example.pt")
     return p.parse_args()
@@ -82,8 +86,10 @@ def main() -> None:
     ).to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
-    if not args.no_hook:
-        ddp_triton.register(ddp_model, comm_dtype=DTYPES[args.comm_dtype])
+    state = None
+    if not args.no_hook:  # grad_stats: the unpack also sums the squares of the averaged gradients, for the clip
+        state = ddp_triton.register(ddp_model, comm_dtype=DTYPES[args.comm_dtype], grad_stats=True,
+                                    accumulate_dtype=torch.float32 if args.fp32_sums else None)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -102,7 +108,8 @@ def main() -> None:
             running += loss.item() * args.accumulate
             batches += 1
             if sync_now:
-                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), args.clip)
+                # torch's clip_grad_norm_ with the norm the hook computed (torch's own without the hook)
+                ddp_triton.clip_grad_norm_(ddp_model, args.clip, state=state)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
@@ -116,6 +123,8 @@ def main() -> None:
                    args.checkpoint)
         print(f"saved {args.checkpoint} (world size {world_size}, {device.type}, "
               f"hook: {'none' if args.no_hook else 'triton_hook ' + args.comm_dtype})", flush=True)
+        if state is not None:  # buckets, bytes on the wire per step against float32, algorithm per bucket
+            print(state.summary().headline(), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

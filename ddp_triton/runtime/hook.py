@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import SUPPORTED_DTYPES
+from .grad_stats import mark_per_parameter, note_bucket
 from .state import CommState, default_state, split_average
+from .telemetry import count_issued, watch as watch_bucket
 
 
 def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -37,12 +39,27 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     if not isinstance(state, CommState):
         state = default_state(state)
     buffer = bucket.buffer()
-    comm = state.bucket_comm(buffer)
+    comm = state.bucket_comm(buffer, bucket)
     if bucket.is_last():
         state.end_of_backward()
-    comm.pack()
-    work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
-    return then_unpack(work.get_future(), comm.unpack, buffer)
+    if state.grad_stats:
+        note_bucket(state, comm, bucket)  # which gradients the pass's statistics cover (grad_stats.py)
+    if comm.exchange is not None:  # summed in float32: all-to-all, sum, all-gather (exchange.py)
+        count_issued(comm, bucket, comm.exchange.send, state.wire.name)  # the bucket as it travels
+        return state.exchanges.start(comm.exchange, bucket.is_last(), watch_bucket(state, comm, bucket))
+    watch = watch_bucket(state, comm, bucket)  # None unless a profiler records or state.timing (telemetry.py)
+    if watch is None:
+        comm.pack()
+        work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
+        unpack = comm.unpack
+    else:
+        with watch.phase("pack"):
+            comm.pack()
+        with watch.phase("all_reduce"):
+            work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
+        unpack = watch.unpack(comm.unpack)
+    count_issued(comm, bucket, comm.comm)
+    return then_unpack(work.get_future(), unpack, buffer)
 
 
 def then_unpack(
@@ -75,12 +92,14 @@ def average_grad(state: Any, grad: torch.Tensor) -> Any:
     made canonical; summation order within the all-reduce is the backend's). Where the bucket path leaves the
     average to NCCL (float32 buckets sent as float32), this path scales and sums instead, which is how NCCL
     averages. The per-size algorithm groups of a profile are not used: every gradient goes to the state's group,
-    where Inductor may bucket the all-reduces.
+    where Inductor may bucket the all-reduces. No gradient statistics either: once a CommState has been called
+    here, its ``grad_norm()`` and ``found_inf()`` refuse and ``ddp_triton.clip_grad_norm_`` is torch's.
 
     Returns the gradient while being traced, as torch's hooks do; called eagerly, a completed future of it.
     """
     if isinstance(state, CommState):
         group, comm_dtype = state.averaging_group(), state.comm_dtype
+        mark_per_parameter(state)  # no gradient statistics on this path: grad_norm() refuses (grad_stats.py)
     else:
         group, comm_dtype = (state if state is not None else dist.group.WORLD), torch.bfloat16
     if grad.layout != torch.strided:
@@ -123,11 +142,14 @@ def reattach(ddp_model: torch.nn.parallel.DistributedDataParallel) -> Any:
     return entry[1]
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_options: Any) -> CommState:
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Optional[CommState] = None,
+             **state_options: Any) -> CommState:
     """Build a CommState (``state_options`` as its fields) and register ``triton_hook`` on ``ddp_model``.
 
     The process group and device default to the model's own. Checks up front what would otherwise fail at the first bucket:
     parameters of a dtype the kernels do not convert. Call on every rank, in the same order.
+    Or pass a ``state`` of your own, e.g. one built before ``init_process_group``: it binds here, to the model's
+    group and device where it was given none.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(ddp_model).__name__}")
@@ -135,9 +157,15 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **state_optio
         if param.requires_grad and param.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"parameter {name} has dtype {param.dtype}; triton_hook supports float32, bfloat16 "
                             "and float16 gradients")
+    if state is not None and state_options:
+        raise TypeError(f"register takes a state or state options, not both (got {sorted(state_options)})")
     state_options.setdefault("process_group", ddp_model.process_group)
     if ddp_model.device_ids:
         state_options.setdefault("device", torch.device("cuda", ddp_model.device_ids[0]))
-    state = CommState(**state_options)
+    if state is None:
+        state = CommState(**state_options)
+    else:
+        state.bind(state_options["process_group"], state_options.get("device"))
+    state.name_parameters(ddp_model.module)
     ddp_model.register_comm_hook(state, triton_hook)
     return state

@@ -30,8 +30,14 @@ from .. import kernels
 from ..dtypes import comm_dtypes
 from ..log import logger
 from ..versions import nccl_version
-from .algo_groups import check_nccl_support, check_profile_agreement, make_algorithm_groups, select_group
-from .profile_choice import resolve_profile
+from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, make_algorithm_groups,
+                          select_group)
+from .exchange import ExchangeQueue, block_fp8_exchange, float32_sum_exchange
+from .grad_stats import found_inf as _found_inf, grad_norm as _grad_norm, new_stats, pass_entries
+from .profile_choice import check_profile_spec, resolve_profile
+from .residuals import LayoutResiduals, ResidualStore
+from .telemetry import BucketRecord, Summary, summarize
+from .wire import WireFormat, resolve_wire_format
 
 #: The dtypes the hook can all-reduce in (``ddp_triton.dtypes.COMM_DTYPE_NAMES``), as torch dtypes.
 COMM_DTYPES = comm_dtypes()
@@ -82,10 +88,21 @@ class BucketComm:
     algorithm: Optional[str]
     last_used: int = 0
     """The state's backward-pass count when this entry was last used (stale entries are dropped)."""
+    exchange: Any = None
+    """For wire formats summed in float32: the ShardedExchange that replaces the all-reduce."""
+    residuals: Optional[LayoutResiduals] = None
+    """For FP8 with error feedback: this bucket layout's residuals."""
+    stats: Optional[torch.Tensor] = None
+    """With ``grad_stats``: float32 (2,) that this bucket's unpack overwrites with [sum of squares, non-finite count]
+    of the averaged gradients it stores (``grad_stats.py``); a bucket path of its own fills it the same way."""
+    record: BucketRecord = field(default_factory=BucketRecord, repr=False)
+    """Telemetry: bytes handed to each collective issued for this bucket, timings (``telemetry.py``)."""
+    coverage: Any = field(default=None, repr=False)
+    """With ``grad_stats``: the bucket's parameters and what their gradients were at the pass's end."""
 
 
 # Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
-_PICKLE_VERSION = 1
+_PICKLE_VERSION = 2  # 2: accumulate_dtype and error_feedback
 
 # Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
 # buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
@@ -96,13 +113,15 @@ _STALE_AFTER = 4
 class CommState:
     """State for :func:`ddp_triton.triton_hook`.
 
-    Build it on every rank, in the same order, after ``init_process_group`` (it may create process groups).
+    Build it on every rank, in the same order. After ``init_process_group`` it binds at once (it may create
+    process groups); built before, it holds its settings (checked at once) and binds its group, device and profile
+    at its first bucket, on every rank, or at ``bind``/``register``.
     """
 
     process_group: Any = None
     """Group the gradients are averaged over; None is the default (world) group."""
     comm_dtype: torch.dtype = torch.bfloat16
-    """Dtype on the wire: bfloat16, float16 or float32."""
+    """Dtype on the wire: bfloat16, float16, float32, or block-scaled float8_e4m3fn / float8_e5m2."""
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
     own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's).
@@ -111,6 +130,20 @@ class CommState:
     """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
     current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works.
     A state restored from a pickle uses its first bucket's."""
+    accumulate_dtype: Optional[torch.dtype] = None
+    """What the sum is taken in: None, the wire dtype (one all-reduce, as NCCL adds); torch.float32, float32 (an
+    all-to-all, a float32 sum and an all-gather: same bytes, one rounding after the sum whatever the world size).
+    FP8 always sums in float32."""
+    error_feedback: Optional[bool] = None
+    """FP8 only (None: on for FP8): each rank adds what its FP8 rounding left out to the next step's gradients,
+    at both rounding stages, so the rounding errors do not accumulate in the weights. Residuals are state:
+    ``state_dict()`` / ``load_state_dict()``."""
+    grad_stats: bool = False
+    """Have each bucket's unpack also compute the sum of squares and non-finite count of the averaged gradients, for
+    ``grad_norm()``, ``found_inf()`` and ``ddp_triton.clip_grad_norm_`` (``grad_stats.py``). Set at construction."""
+    timing: bool = False
+    """Time each bucket's pack, communication and unpack (CUDA events on CUDA tensors, read back only by
+    ``summary()``; the host's perf_counter on CPU tensors), see ``telemetry.py``."""
     buckets: Dict[tuple, BucketComm] = field(default_factory=dict, init=False, repr=False)
     """Per DDP bucket buffer (address, size, dtype): its communication buffer and bound launches."""
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -119,13 +152,44 @@ class CommState:
     """The Profile this state follows, resolved from ``profile`` when the state binds; None: NCCL chooses."""
 
     def __post_init__(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("CommState needs torch.distributed to be initialised (init_process_group) first")
-        if self.comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {self.comm_dtype}")
+        self.wire: WireFormat = resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback)
+        self.residuals = ResidualStore()
+        self.exchanges = ExchangeQueue()
+        check_profile_spec(self.profile)
         self._needs_group = False
         self._passes = 0
-        self._attach()
+        self._attached = False
+        # Before init_process_group (a framework that wants the state when its strategy is built, like Lightning's
+        # DDPStrategy(ddp_comm_state=...)): settings only; binds at its first bucket or at ``bind``/``register``.
+        if dist.is_available() and dist.is_initialized():
+            self._attach()
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state has bound its process group, device and profile (False until then for a state built
+        before ``init_process_group`` or restored from a pickle)."""
+        return self._attached
+
+    @property
+    def passes(self) -> int:
+        """Backward passes this state has averaged (counted at each backward's last bucket)."""
+        return self._passes
+
+    def bind(self, process_group: Any = None, device: Optional[torch.device] = None) -> "CommState":
+        """Bind now, if not bound yet: to ``process_group`` and ``device`` where the state was given none.
+
+        Collective, like construction after ``init_process_group``: call on every rank in the same order. A bound
+        state is left as it is.
+        """
+        if not self._attached:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("CommState.bind needs torch.distributed to be initialised (init_process_group)")
+            if self.process_group is None and process_group is not None:
+                self.process_group = process_group
+            if self.device is None and device is not None:
+                self.device = device
+            self._attach()
+        return self
 
     def _attach(self) -> None:
         """Bind to the process group and resolve the profile: at construction, or at a restored state's first bucket.
@@ -165,8 +229,12 @@ class CommState:
             on_default = not self._needs_group
         else:
             on_default = dist.is_initialized() and self.process_group == dist.group.WORLD
+        if self.residuals.layouts or self.residuals.pending_first:
+            logger.warning("triton_hook: a pickled CommState leaves its error-feedback residuals behind; save them "
+                           "with state.state_dict() on every rank")
         return {"version": _PICKLE_VERSION, "comm_dtype": self.comm_dtype, "profile": self.profile,
-                "on_default_group": on_default}
+                "on_default_group": on_default, "accumulate_dtype": self.accumulate_dtype,
+                "error_feedback": self.error_feedback, "grad_stats": self.grad_stats, "timing": self.timing}
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
         """A state that binds at its first bucket: to the default group, or to ``process_group`` if set before."""
@@ -176,6 +244,13 @@ class CommState:
         self.process_group = None
         self.comm_dtype = saved["comm_dtype"]
         self.profile = saved["profile"]
+        self.accumulate_dtype = saved.get("accumulate_dtype")  # absent from format 1: what it meant then
+        self.error_feedback = saved.get("error_feedback")
+        self.grad_stats = saved.get("grad_stats", False)  # absent before grad_stats existed: off, as then
+        self.timing = saved.get("timing", False)
+        self.wire = resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback)
+        self.residuals = ResidualStore()
+        self.exchanges = ExchangeQueue()
         self.active_profile = None
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
         self.buckets = {}
@@ -198,6 +273,7 @@ class CommState:
         with use_device:  # NCCL's collectives here run on the current device: make it the model's
             check_profile_agreement(profile if unusable is None else unusable, agreement_group,
                                     given=_describe_spec(spec))
+            check_wire_agreement(self.wire.name, self.group)
             if unusable is not None:
                 raise unusable.error
             if profile is not None:
@@ -214,14 +290,21 @@ class CommState:
             return _UnusableProfile(exc)
         return None
 
-    def bucket_comm(self, buffer: torch.Tensor) -> BucketComm:
-        """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives."""
+    def bucket_comm(self, buffer: torch.Tensor, bucket: Any = None) -> BucketComm:
+        """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives.
+
+        FP8 blocks follow the bucket's parameters, so for FP8 the parameters (by identity, in bucket order) are
+        part of what identifies a bucket: a rebuilt bucket may reuse a freed buffer's address."""
         if buffer.layout != torch.strided:
             raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
         signature = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        if self.wire.block_scaled and bucket is not None:
+            signature += (tuple(map(id, bucket.parameters())),)
         entry = self.buckets.get(signature)
+        if entry is not None and entry.residuals is not None and not entry.residuals.alive:
+            entry = None  # its residuals moved to another layout: bind again, taking them back
         if entry is None:
-            entry = self.buckets[signature] = self._bind(signature, buffer)
+            entry = self.buckets[signature] = self._bind(signature, buffer, bucket)
         entry.last_used = self._passes
         return entry
 
@@ -233,23 +316,55 @@ class CommState:
             for signature in [k for k, e in self.buckets.items() if e.last_used < oldest]:
                 del self.buckets[signature]
 
-    def _bind(self, signature, buffer: torch.Tensor) -> BucketComm:
+    def _bind(self, signature, buffer: torch.Tensor, bucket: Any = None) -> BucketComm:
         if buffer.dtype not in kernels.SUPPORTED_DTYPES:
             raise TypeError(
                 f"triton_hook got a bucket of dtype {buffer.dtype}; supported are float32, bfloat16 and float16"
             )
-        if not self._attached:  # restored from a pickle: binds here, off the per-step path (a new bucket)
-            self.device = buffer.device if buffer.is_cuda else None
+        if not self._attached:  # built before init_process_group, or restored: binds here, off the per-step path
+            if self.device is None and buffer.is_cuda:
+                self.device = buffer.device
             self._attach()
+        if self.wire.sharded:
+            return self._bind_sharded(signature, buffer, bucket)
         group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
         in_place = self.comm_dtype == buffer.dtype
+        stats = new_stats(buffer) if self.grad_stats else None
         if collective_averages(self.backend, buffer.is_cuda, self.comm_dtype, buffer.dtype, algorithm):
-            # The collective's own averaging: no kernel at all on either side.
-            return BucketComm(signature, buffer, buffer, _nothing, _nothing, group, dist.ReduceOp.AVG, algorithm)
+            # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
+            # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
+            unpack = _nothing if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
+            return BucketComm(signature, buffer, buffer, _nothing, unpack, group, dist.ReduceOp.AVG, algorithm,
+                              stats=stats)
         comm = buffer if in_place else torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
         pack = kernels.bind_pack([buffer], comm, self.pre_scale)
-        unpack = kernels.bind_unpack(comm, [buffer], self.post_scale)
-        return BucketComm(signature, buffer, comm, pack, unpack, group, dist.ReduceOp.SUM, algorithm)
+        # In place at scale 1 the unpack does nothing without stats, and is the stats pass with them.
+        unpack = kernels.bind_unpack(comm, [buffer], self.post_scale, stats=stats)
+        return BucketComm(signature, buffer, comm, pack, unpack, group, dist.ReduceOp.SUM, algorithm, stats=stats)
+
+    def _bind_sharded(self, signature, buffer: torch.Tensor, bucket: Any) -> BucketComm:
+        """A bucket of a wire format summed in float32: all-to-all, local sum, all-gather (``exchange.py``)."""
+        rank = dist.get_rank(self.group)
+        residuals = None
+        stats = new_stats(buffer) if self.grad_stats else None  # its dequantizing unpack overwrites it
+        if self.wire.block_scaled:
+            params = bucket.parameters() if bucket is not None else []
+            sizes = tuple(p.numel() for p in params)
+            if sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow them
+                raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
+                                 f"{sum(sizes)} of {buffer.numel()} elements")
+            layout = kernels.block_layout(sizes, self.world_size)
+            if self.wire.error_feedback:
+                residuals = self.residuals.for_layout(signature[3], sizes, layout, self.group, rank, buffer.device)
+            exchange = block_fp8_exchange(buffer, self.wire, layout, self.group, self.world_size, self.pre_scale,
+                                          residuals, stats)
+        else:
+            exchange = float32_sum_exchange(buffer, self.wire, self.group, self.world_size, self.pre_scale,
+                                            self.post_scale, stats)
+        entry = BucketComm(signature, buffer, exchange.send, _nothing, _nothing, self.group, None, None,
+                           exchange=exchange, residuals=residuals, stats=stats)
+        entry.record.wire_format = self.wire.name  # its buffers are bytes: name the format, not their dtype
+        return entry
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
         if self.active_profile is None or not self.algorithm_groups:
@@ -258,8 +373,55 @@ class CommState:
         return select_group(self.algorithm_groups, self.active_profile, nbytes), algorithm
 
     def held_bytes(self) -> int:
-        """Bytes of communication buffers this state holds (those that are not DDP's own bucket buffers)."""
-        return sum(e.comm.numel() * e.comm.element_size() for e in self.buckets.values() if e.comm is not e.buffer)
+        """Bytes of communication buffers and error-feedback residuals this state holds (DDP's own bucket buffers
+        not counted)."""
+        held = 0
+        for entry in self.buckets.values():
+            tensors = (entry.exchange.send, entry.exchange.recv, entry.exchange.shard) if entry.exchange else \
+                ((entry.comm,) if entry.comm is not entry.buffer else ())
+            held += sum(t.numel() * t.element_size() for t in tensors)
+        return held + self.residuals.held_bytes()
+
+    # ---- gradient statistics and telemetry (grad_stats.py, telemetry.py) -------------------------------------------
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of all averaged gradients of the latest synchronising backward (``grad_stats=True``): a 0-dim
+        float32 tensor on the gradients' device, computed from the unpack's statistics without a host sync."""
+        return _grad_norm(self)
+
+    def found_inf(self) -> torch.Tensor:
+        """1.0 if any averaged gradient of the latest synchronising backward is inf or NaN, else 0.0 (0-dim float32,
+        on the gradients' device, no host sync; ``grad_stats=True``)."""
+        return _found_inf(self)
+
+    def summary(self) -> Summary:
+        """Per bucket of the latest backward: bytes, bytes on the wire per format, algorithm group, wire format and,
+        with ``timing=True``, pack/comm/unpack times (read back now). ``print`` it for a table."""
+        return summarize(self, pass_entries(self))
+
+    # ---- error-feedback residuals -------------------------------------------------------------------------------
+
+    def name_parameters(self, module: torch.nn.Module) -> None:
+        """Name the residuals' parameters after ``module``'s (``register`` does this with the DDP model's)."""
+        self.residuals.names = {id(p): name for name, p in module.named_parameters()}
+
+    def _residual_settings(self) -> Dict[str, Any]:
+        return {"wire_format": self.wire.name}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The error-feedback residuals by parameter name (empty without error feedback), to save with the model
+        and optimizer. Collective: call on every rank; each rank's dict holds its own first-stage residuals, so
+        save one per rank (as a sharded optimizer's)."""
+        if not self._attached:
+            return {"version": 1, **self._residual_settings(), "rank": None, "world_size": None,
+                    "first_stage": {}, "second_stage": {}}
+        return self.residuals.state_dict(self.group, self._residual_settings())
+
+    def load_state_dict(self, saved: Dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned on this rank; the next buckets re-slice the residuals to their
+        layout (a fresh DDP model's constructor order included)."""
+        self.residuals.load_state_dict(saved, self.group if self._attached else None, self._residual_settings())
+        self.buckets.clear()
 
 
 def _describe_spec(spec: ProfileSpec) -> str:

@@ -1,0 +1,102 @@
+"""GPU throughput of the wire-format kernels against the copy ceiling measured in the same run.
+
+    python -m bench.wire_kernels [--mb 25] [--ranks 8] [--out-dir DIR] [--no-append]
+
+For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all-to-all's received buffer is
+simulated, each rank's slice the same bytes), times each launch the exchanges make and counts the bytes it must
+move:
+
+- quantize (FP8 E4M3, error feedback): reads the bucket (4 B) and the residual (4 B), writes the residual (4 B) and
+  the rows (132/128 B) per element;
+- reduce (N ranks, error feedback): reads N rows per row of its shard (N * 132 B per 128 elements) and the shard's
+  residual, writes it and the new row: per shard element N * 132/128 + 4 + 4 + 132/128 B;
+- dequantize (to float32, no stats): reads the rows (132/128 B), writes the bucket (4 B);
+- sum of slices (bfloat16, N ranks): reads N * 2 B, writes 2 B per shard element;
+- torch's ``copy_`` of the bucket to bfloat16 as a reference point (4 + 2 B per element).
+
+GB/s = bytes / median time; "of ceiling" divides by a float32 copy's GB/s (read + write). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import append_results, bench_us, environment, format_table, save_json  # noqa: E402
+from bench.kernels import copy_ceiling_gbps  # noqa: E402
+from ddp_triton.kernels import block_layout, dequantize_blocks, quantize_blocks, reduce_blocks, sum_slices  # noqa: E402
+from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
+
+MiB = 1 << 20
+
+
+def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Dict[str, Any]]:
+    n = int(mb * MiB) // 4
+    layout = block_layout([n], ranks)
+    bucket = torch.randn(n, device=device)
+    residual = torch.zeros(n, device=device)
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
+    quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual)
+    shard_rows = layout.rows_per_shard
+    received = send.view(-1)[: shard_rows * ROW_BYTES].repeat(ranks)  # N ranks' copies of one shard
+    shard = torch.empty(shard_rows * ROW_BYTES, dtype=torch.uint8, device=device)
+    shard_residual = torch.zeros(shard_rows * 128, device=device)
+    out = torch.empty_like(bucket)
+    wire16 = bucket.to(torch.bfloat16)
+    slice_n = -(-n // ranks)
+    slices16 = torch.randn(slice_n * ranks, device=device).to(torch.bfloat16)
+    summed16 = torch.empty(slice_n, dtype=torch.bfloat16, device=device)
+    row_bytes_per_element = ROW_BYTES / 128
+    cases = [
+        ("quantize e4m3 +ef", lambda: quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
+         n * (4 + 4 + 4 + row_bytes_per_element)),
+        (f"reduce e4m3 x{ranks} +ef", lambda: reduce_blocks(received, ranks, shard, residual=shard_residual),
+         shard_rows * 128 * (ranks * row_bytes_per_element + 8 + row_bytes_per_element)),
+        ("dequantize e4m3 -> fp32", lambda: dequantize_blocks(send, layout, out), n * (row_bytes_per_element + 4)),
+        (f"sum slices bf16 x{ranks}", lambda: sum_slices(slices16, ranks, summed16), slice_n * (ranks * 2 + 2)),
+        ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
+    ]
+    out_rows = []
+    for name, fn, nbytes in cases:
+        us = bench_us(fn, device)
+        gbps = nbytes / us / 1e3
+        out_rows.append({"kernel": name, "mb": mb, "ranks": ranks, "bytes": int(nbytes), "us": round(us, 1),
+                         "gbps": round(gbps, 1), "of_ceiling": round(gbps / ceiling, 3)})
+    return out_rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wire_kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=25.0, help="bucket size in MiB of float32 (default 25)")
+    p.add_argument("--ranks", type=int, default=8, help="ranks the reduce sums over (default 8)")
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--no-append", action="store_true", help="do not append the table to bench/RESULTS.md")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.wire_kernels needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    ceiling = copy_ceiling_gbps(device, 1.0)
+    table_rows = rows(args.mb, args.ranks, ceiling, device)
+    env = environment(device)
+    headers = ["kernel", "MiB", "ranks", "bytes", "us", "GB/s", "of ceiling"]
+    table = format_table(headers, [[r["kernel"], r["mb"], r["ranks"], r["bytes"], r["us"], r["gbps"],
+                                    r["of_ceiling"]] for r in table_rows])
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    print(table)
+    save_json("wire_kernels", {"env": env, "ceiling_gbps": ceiling, "rows": table_rows}, args.out_dir)
+    if not args.no_append:
+        append_results("Wire-format kernels", env, [f"Copy ceiling (float32 copy, read + write): {ceiling:.0f} GB/s",
+                                                   table])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
