@@ -131,7 +131,9 @@ def _same_bits_worker(rank, world_size, options, bucket_cap_mb, static_graph):
     assert summary.wire_bytes_per_step == sum(e.exchange.send.numel() * e.exchange.send.element_size() for e in live)
     assert all(set(b.wire_bytes) == {state.wire.name} for b in summary.buckets), str(summary)
     fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
-    assert summary.wire_bytes_per_step < summary.fp32_bytes_per_step * (0.3 if fp8 else 0.55), str(summary)
+    # 132/128 bytes per element for FP8 (0.26x float32's), 2 for bf16 (0.5x), plus the padding of each tensor's last
+    # block and of each bucket to N rows, which on this small model adds up to 0.05x.
+    assert summary.wire_bytes_per_step < summary.fp32_bytes_per_step * (0.32 if fp8 else 0.55), str(summary)
 
 
 def _every_format_worker(rank, world_size):
