@@ -146,7 +146,7 @@ def test_a_small_tensor_keeps_its_own_scale():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("sizes", SIZES[2:])  # ragged and many tiny: every block shape the others have
 def test_quantize_with_residual_same_bits_as_torch_path(fmt, dtype, sizes):
     x = gradient_like(sizes, dtype)
     layout = block_layout(sizes, 2)

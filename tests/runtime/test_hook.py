@@ -104,13 +104,14 @@ def _equivalence_worker(rank, world_size, gabv, bucket_cap_mb, static_graph):
         assert len(state.buckets) > 1, "the small bucket cap should give several buckets"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("gabv", [False, True], ids=["copy", "bucket-view"])
+# Copied-out gradients at world size 2, bucket views at 2 and 4: world size 4 with copies adds no path (CI time).
+@pytest.mark.parametrize("world_size,gabv", [(2, False), (2, True), (4, True)], ids=["copy-2", "bucket-view-2",
+                                                                                   "bucket-view-4"])
 def test_ddp_equivalence_float32(world_size, gabv):
     torch_path_workers(_equivalence_worker, world_size, gabv, 0.002, False)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [4])
 def test_ddp_equivalence_static_graph(world_size):
     torch_path_workers(_equivalence_worker, world_size, True, 0.002, True)
 

@@ -141,9 +141,10 @@ def _every_format_worker(rank, world_size):
         _same_bits_worker(rank, world_size, options, 0.002, False)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [3, 4])
 def test_same_bits_as_the_reference_several_buckets(world_size):
-    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums; one bucket per tensor or so."""
+    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums; one bucket per tensor or so. (World size 2:
+    the no_sync / unused parameters / bfloat16 test.)"""
     torch_path_workers(_every_format_worker, world_size)
 
 
@@ -254,8 +255,8 @@ def _interpreter_worker(rank, world_size):
     from ddp_triton.kernels import uses_triton
 
     assert uses_triton(torch.device("cpu")), "this worker should run the Triton kernels in the interpreter"
-    for options in (FP8_EF, BF16_FP32_SUM):
-        _same_bits_worker(rank, world_size, options, 0.002, False)
+    # FP8 runs all three block kernels; the float32 sum of slices is checked on its own in test_wire_kernels.py.
+    _same_bits_worker(rank, world_size, FP8_EF, 0.002, False)
 
 
 def test_wire_format_kernels_end_to_end_under_interpreter():
@@ -264,7 +265,7 @@ def test_wire_format_kernels_end_to_end_under_interpreter():
     if interpreter_problem() is not None:
         pytest.skip(interpreter_problem())
     with scoped_env({"TRITON_INTERPRET": "1"}):
-        run_workers(_interpreter_worker, 3, timeout=240)
+        run_workers(_interpreter_worker, 2, timeout=240)
 
 
 # ---- settings -----------------------------------------------------------------------------------------------------
