@@ -7,9 +7,11 @@ compute wrong bits (``interpreter.interpreter_problem``), it stays off and the t
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from interpreter import interpreter_problem
 
@@ -29,3 +31,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    """A one-rank NCCL process group on GPU 0 for the GPU tier (DDP over NCCL at world size 1), destroyed after."""
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

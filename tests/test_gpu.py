@@ -4,12 +4,9 @@ size 1.
 Tier: GPU (skipped without CUDA). The same kernels' bits in Triton's interpreter are in test_kernels.py.
 """
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,15 +30,6 @@ def test_bound_launch_takes_the_direct_path_and_agrees():
         g.mul_(-2)
     again()
     assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.25))
-
-
-@pytest.fixture
-def nccl_world_of_one():
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("gabv", [False, True])

@@ -4,12 +4,9 @@ Tier: GPU (skipped without CUDA). The same kernels run in Triton's interpreter i
 the compiled code (hardware bfloat16 rounding, no FMA contraction) must give the torch path's bits.
 """
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -66,15 +63,6 @@ def test_sum_slices_same_bits_as_torch_path_on_cuda(dtype):
     torch_wire.sum_slices(received, 8, out)
     out_gpu = sum_slices(received.cuda(), 8, torch.empty(100003, dtype=dtype, device="cuda"))
     assert_same_bits(out_gpu.cpu(), out)
-
-
-@pytest.fixture
-def nccl_world_of_one():
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("options", [dict(comm_dtype=torch.float8_e4m3fn),

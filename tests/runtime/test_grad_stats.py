@@ -11,9 +11,7 @@ patched to fail there), and must call it, with the same results, in each fallbac
 """
 
 import math
-import os
 import pickle
-import tempfile
 from unittest import mock
 
 import pytest
@@ -293,15 +291,6 @@ def test_in_place_unpack_at_scale_one_is_a_stats_pass():
 
 
 # ---- GPU: NCCL at world size 1, where float32 buckets take NCCL's AVG ------------------------------------------------
-
-
-@pytest.fixture
-def nccl_world_of_one():
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.gpu
