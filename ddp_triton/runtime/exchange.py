@@ -137,7 +137,7 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
                          pre_scale: float, post_scale: float, stats: Optional[torch.Tensor]) -> ShardedExchange:
     """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack."""
     n = buffer.numel()
-    padded = wire.padded_elements(n, 0, world_size)
+    padded = -(-n // world_size) * world_size  # whole shards: the all-to-all splits the buffer evenly
     send = torch.zeros(padded, dtype=wire.comm_dtype, device=buffer.device)  # the tail stays zero
     recv = torch.empty_like(send)
     shard = torch.empty(padded // world_size, dtype=wire.comm_dtype, device=buffer.device)

@@ -293,13 +293,11 @@ class CommState:
     def bucket_comm(self, buffer: torch.Tensor, bucket: Any = None) -> BucketComm:
         """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives.
 
-        FP8 blocks follow the bucket's parameters, so for FP8 the parameters (by identity, in bucket order) are
-        part of what identifies a bucket: a rebuilt bucket may reuse a freed buffer's address."""
+        The entry holds the bucket buffer, so no other bucket (DDP's rebuilt ones included, whose parameters and so
+        FP8 blocks may differ) can be allocated at its address while the entry lives: the address identifies it."""
         if buffer.layout != torch.strided:
             raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
         signature = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
-        if self.wire.block_scaled and bucket is not None:
-            signature += (tuple(map(id, bucket.parameters())),)
         entry = self.buckets.get(signature)
         if entry is not None and entry.residuals is not None and not entry.residuals.alive:
             entry = None  # its residuals moved to another layout: bind again, taking them back
@@ -348,14 +346,15 @@ class CommState:
         residuals = None
         stats = new_stats(buffer) if self.grad_stats else None  # its dequantizing unpack overwrites it
         if self.wire.block_scaled:
-            params = bucket.parameters() if bucket is not None else []
+            params = bucket.parameters() if bucket is not None else []  # once per bucket, at binding
             sizes = tuple(p.numel() for p in params)
             if sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow them
                 raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
                                  f"{sum(sizes)} of {buffer.numel()} elements")
             layout = kernels.block_layout(sizes, self.world_size)
             if self.wire.error_feedback:
-                residuals = self.residuals.for_layout(signature[3], sizes, layout, self.group, rank, buffer.device)
+                residuals = self.residuals.for_layout(tuple(map(id, params)), sizes, layout, self.group, rank,
+                                                      buffer.device)
             exchange = block_fp8_exchange(buffer, self.wire, layout, self.group, self.world_size, self.pre_scale,
                                           residuals, stats)
         else:

@@ -16,8 +16,6 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
-
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4m3",
@@ -48,23 +46,6 @@ class WireFormat:
         if self.sharded and not self.block_scaled:
             name += "+fp32sum"
         return name + ("+ef" if self.error_feedback else "")
-
-    def padded_elements(self, n_elements: int, n_blocks: int, world_size: int) -> int:
-        """Elements each rank's exchange buffer holds for a bucket of ``n_elements`` (``n_blocks`` FP8 blocks)."""
-        if self.block_scaled:
-            return -(-max(n_blocks, 1) // world_size) * world_size * BLOCK_ELEMENTS
-        if self.sharded:
-            return -(-n_elements // world_size) * world_size
-        return n_elements
-
-    def bytes_sent(self, n_elements: int, n_blocks: int, world_size: int) -> int:
-        """Bytes one rank puts on the wire for one bucket: (N-1)/N of the buffer, twice (a ring all-reduce's
-        reduce-scatter and all-gather phases, or the all-to-all and the all-gather)."""
-        if self.block_scaled:
-            buffer = self.padded_elements(n_elements, n_blocks, world_size) // BLOCK_ELEMENTS * ROW_BYTES
-        else:
-            buffer = self.padded_elements(n_elements, n_blocks, world_size) * self.comm_dtype.itemsize
-        return 2 * buffer * (world_size - 1) // world_size
 
 
 def resolve_wire_format(comm_dtype: torch.dtype, accumulate_dtype: Optional[torch.dtype] = None,

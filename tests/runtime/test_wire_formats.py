@@ -288,14 +288,29 @@ def test_wire_format_names_and_bad_combinations():
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 64])
-def test_bytes_sent_equal_a_ring_all_reduce_for_bf16_and_about_half_for_fp8(world_size):
-    n = 25 * 2**20 // 4  # a 25 MiB float32 bucket
-    ring_bf16 = 2 * (world_size - 1) * n * 2 // world_size
-    sharded = resolve_wire_format(torch.bfloat16, torch.float32)
-    assert abs(sharded.bytes_sent(n, 0, world_size) - ring_bf16) <= 2 * 2 * world_size  # padding to N elements
+def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
+    """The bytes a bucket's exchange hands to the all-to-all and the all-gather, from the buffers the runtime really
+    allocates, are the messages ``autotune --model-only --wire-formats`` prices; FP8 sends 132/256 of bf16's."""
+    import ddp_triton.machine.cost_model as cm
+    from ddp_triton.kernels import block_layout
+    from ddp_triton.runtime.exchange import block_fp8_exchange, float32_sum_exchange
+
+    n = 1_000_003  # one tensor, a prime number of elements: both kinds of padding happen
+    bucket = torch.zeros(n)
     fp8 = resolve_wire_format(torch.float8_e4m3fn)
-    ratio = fp8.bytes_sent(n, n // 128, world_size) / ring_bf16
-    assert 132 / 256 <= ratio < 132 / 256 * 1.01  # 132 bytes per 128 elements against 256
+    bf16 = resolve_wire_format(torch.bfloat16, torch.float32)
+    exchanges = {
+        fp8.name: block_fp8_exchange(bucket, fp8, block_layout([n], world_size), None, world_size, 1.0, None, None),
+        bf16.name: float32_sum_exchange(bucket, bf16, None, world_size, 1.0, 1.0, None),
+    }
+    for name, exchange in exchanges.items():
+        model = dict(cm.wire_collectives(n, name, world_size))
+        nbytes = exchange.send.numel() * exchange.send.element_size()
+        assert model["all_to_all"] == nbytes == world_size * exchange.shard.numel() * exchange.shard.element_size()
+        assert model["all_gather"] == nbytes
+    ratio = cm.wire_bytes(n, fp8.name, world_size) / cm.wire_bytes(n, bf16.name, world_size)
+    # Padding: the tensor's short last block and up to N - 1 empty rows, together under N rows of 128 elements.
+    assert 132 / 256 <= ratio < 132 / 256 * (1 + world_size * 128 / n)
 
 
 def _disagreement_worker(rank, world_size):
