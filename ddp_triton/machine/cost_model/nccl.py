@@ -342,18 +342,27 @@ def _protocol_runs(f: Fabric, algorithm: str, p: int) -> bool:
     return not (p == _LL128 and f.intra_link != "nvlink")  # NCCL enables LL128 only where GPUs talk over NVLink
 
 
-def nccl_protocol_time_us(fabric: Fabric, nbytes: int, algorithm: str, protocol: str) -> Optional[float]:
-    """NCCL's own estimate of one all-reduce of ``nbytes`` with (algorithm, protocol), or None where NCCL would not
-    run it. No calibration: this is what NCCL believes, and so what it chooses by."""
+def checked_protocol(nbytes: int, protocol: str) -> int:
+    """The index of ``protocol`` in PROTOCOLS, after checking it and ``nbytes``."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; known: {PROTOCOLS}")
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    p = PROTOCOLS.index(protocol)
-    if fabric.world_size == 1:
-        return SINGLE_RANK_US if (algorithm == "ring" and p == _SIMPLE) else None
-    if not _protocol_runs(fabric, algorithm, p):
-        return None
+    return PROTOCOLS.index(protocol)
+
+
+def untimed_us(fabric: Fabric, algorithm: str, p: int) -> Optional[float]:
+    """The answer for a call no model times: one rank's floor (as ring Simple), or None where NCCL does not run
+    (algorithm, protocol) on this fabric."""
+    return SINGLE_RANK_US if fabric.world_size == 1 and algorithm == "ring" and p == _SIMPLE else None
+
+
+def nccl_protocol_time_us(fabric: Fabric, nbytes: int, algorithm: str, protocol: str) -> Optional[float]:
+    """NCCL's own estimate of one all-reduce of ``nbytes`` with (algorithm, protocol), or None where NCCL would not
+    run it. No calibration: this is what NCCL believes, and so what it chooses by."""
+    p = checked_protocol(nbytes, protocol)
+    if fabric.world_size == 1 or not _protocol_runs(fabric, algorithm, p):
+        return untimed_us(fabric, algorithm, p)
     alg = protocol_algbw_gbps(fabric, nbytes, algorithm, p)
     if not alg > 0:
         return None

@@ -32,12 +32,12 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from ...dtypes import dtype_size, normalize_dtype
 from .calibration import AlgorithmCalibration
-from .fabric import (PROTOCOLS, Estimate, Fabric, _LL128, _SIMPLE, algbw_gbps, algorithm_unavailable_reason,
+from .fabric import (Estimate, Fabric, _LL128, _SIMPLE, algbw_gbps, algorithm_unavailable_reason,
                      available_algorithms, busbw_factor)
-from .nccl import (NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, NVLS_CHUNK_BYTES, RING_CHUNK_BYTES, SINGLE_RANK_US,
-                   _bus_and_ratio, _latency_parts, _plateau, _protocol_runs, channel_min_bytes, comm_channels,
-                   inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels, nvls_chunk_bytes,
-                   protocol_algbw_gbps)
+from .nccl import (NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, NVLS_CHUNK_BYTES, RING_CHUNK_BYTES, _bus_and_ratio,
+                   _latency_parts, _plateau, _protocol_runs, checked_protocol, untimed_us, channel_min_bytes,
+                   comm_channels, inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels,
+                   nvls_chunk_bytes, protocol_algbw_gbps)
 
 #: Extra latency per intra-node ring or tree step on Ampere NVLink, every protocol, microseconds. Both published
 #: 8 x A100 sweeps are 1.4 to 1.8x slower than NCCL's estimate from 1 to 32 MiB (bench/published/
@@ -141,15 +141,9 @@ def _transfer_us(f: Fabric, nbytes: int, algorithm: str, p: int, bw_scale: float
 def protocol_time_us(fabric: Fabric, nbytes: int, algorithm: str, protocol: str) -> Optional[float]:
     """Time of one all-reduce of ``nbytes`` with (algorithm, protocol), ramp and calibration included; None where
     NCCL would not run it."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; known: {PROTOCOLS}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    p = PROTOCOLS.index(protocol)
-    if fabric.world_size == 1:
-        return SINGLE_RANK_US if (algorithm == "ring" and p == _SIMPLE) else None
-    if not _protocol_runs(fabric, algorithm, p):
-        return None
+    p = checked_protocol(nbytes, protocol)
+    if fabric.world_size == 1 or not _protocol_runs(fabric, algorithm, p):
+        return untimed_us(fabric, algorithm, p)
     cal = _factors(fabric, algorithm)
     base, intra, inter = _latency_parts(fabric, algorithm, p)
     windows = ring_windows(fabric, nbytes, p) if algorithm == "ring" else 1
