@@ -19,7 +19,7 @@ import ddp_triton
 from dist_utils import init_gloo, run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
 from ddp_triton.runtime.state import CommState
-from test_hook import local_backward, make_data, make_model
+from test_hook import local_backward, make_data, make_model, train_ddp
 from test_hook_profile import two_range_profile
 
 STEPS = 4
@@ -29,15 +29,6 @@ def lazy_workers(fn, world_size, *args):
     """Workers on the kernels' torch CPU path that start without a process group (``init_gloo`` joins it)."""
     with scoped_env({"TRITON_INTERPRET": "0"}):
         run_workers(fn, world_size, *args, timeout=120, init=False)
-
-
-def train(ddp, rank, world_size, steps=STEPS):
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = make_data(step)
-        opt.zero_grad()
-        local_backward(ddp, x, y, rank, world_size)
-        opt.step()
 
 
 def assert_same_weights(model, reference):
@@ -82,8 +73,8 @@ def _first_bucket_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets
     ddp.register_comm_hook(state, ddp_triton.triton_hook)
     assert not state.bound
-    train(ddp, rank, world_size)
-    train(plain, rank, world_size)
+    train_ddp(ddp, rank, world_size, STEPS)
+    train_ddp(plain, rank, world_size, STEPS)
     assert state.bound and state.group is dist.group.WORLD and state.world_size == world_size
     assert state.backend == "gloo" and state.active_profile is None and state.device is None
     assert state.passes == STEPS, "the hook averaged every backward"
@@ -107,8 +98,8 @@ def _register_worker(rank, world_size):
     ddp = DDP(model, process_group=pair)
     assert ddp_triton.register(ddp, state=state) is state
     assert state.bound and state.group is pair, "bound at register, to the model's group"
-    train(ddp, rank, world_size)
-    train(plain, rank, world_size)
+    train_ddp(ddp, rank, world_size, STEPS)
+    train_ddp(plain, rank, world_size, STEPS)
     assert state.passes == STEPS
     assert_same_weights(ddp.module, plain.module)
 
