@@ -1,7 +1,11 @@
 """Run a function on N real processes joined by a gloo process group, and bring failures back to the test.
 
-Each worker gets its own process (torch.multiprocessing, spawn), a FileStore in a fresh temporary directory (no
-port to collide with), and runs ``fn(rank, world_size, *args)``. With ``init=False`` the worker starts without a
+Each worker gets its own process, a FileStore in a fresh temporary directory (no port to collide with), and runs
+``fn(rank, world_size, *args)``. Workers are forked from a server process that has imported torch once
+(``worker_context``): a spawned worker would spend seconds importing torch, most of a short test. They start with
+the test's environment and working directory as they were at the call, and unpickle ``fn`` and its arguments only
+then, so that what reads the environment at import (Triton's interpreter switch, read when kernels are decorated)
+sees the test's values, as a freshly spawned process would. With ``init=False`` the worker starts without a
 process group, so ``fn`` can build things before one exists; it joins the group with ``init_gloo(rank, world_size)``. A worker's exception is re-raised in the test with
 its traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI; a worker
 that dies without reporting (a crash) fails the test too.
@@ -10,6 +14,7 @@ that dies without reporting (a crash) fails the test too.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -26,6 +31,37 @@ class WorkerError(AssertionError):
 
 _STORE_ENV = "DDPT_TEST_STORE"
 
+# Imported by the fork server before any worker exists. Only modules that read no setting a test changes: torch
+# imports neither Triton nor this project, whose kernels read TRITON_INTERPRET when they are decorated.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.multiprocessing"]
+
+
+def worker_context():
+    """The multiprocessing context workers start from: forked from a server that has imported torch once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def start_as_the_test_left_off(env: dict, cwd: str, payload: bytes) -> Any:
+    """In a worker: take the test's environment and working directory, then unpickle what ``payload`` holds."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    return pickle.loads(payload)
+
+
+def call_as_the_test_left_off(test_state: tuple, *live: Any) -> None:
+    """A worker's target: ``fn(*args, *live)`` for the ``(fn, args)`` of ``test_state`` (from :func:`snapshot`).
+    ``live`` holds what only a process start can hand over (multiprocessing queues)."""
+    fn, args = start_as_the_test_left_off(*test_state)
+    fn(*args, *live)
+
+
+def snapshot(*objects: Any) -> tuple:
+    """What :func:`start_as_the_test_left_off` needs to rebuild ``objects`` in a worker as the test sees them now."""
+    return dict(os.environ), os.getcwd(), pickle.dumps(objects)
+
 
 def init_gloo(rank: int, world_size: int) -> None:
     """Join the workers' gloo group through their FileStore (for ``run_workers(..., init=False)``)."""
@@ -33,9 +69,9 @@ def init_gloo(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
-def _worker(rank: int, world_size: int, store_path: str, results: Any, fn: Callable, args: tuple,
-            init: bool = True) -> None:
+def _worker(rank: int, world_size: int, store_path: str, results: Any, test_state: tuple) -> None:
     try:
+        fn, args, init = start_as_the_test_left_off(*test_state)
         os.environ[_STORE_ENV] = store_path
         if init:
             init_gloo(rank, world_size)
@@ -58,12 +94,12 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise WorkerError if any fails.
 
     ``init=False``: ``fn`` starts before the process group exists and joins it itself (``init_gloo``)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results = ctx.Queue()
+    test_state = snapshot(fn, args, init)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, results, fn, args, init),
-                             daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, results, test_state), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.runtime.algo_groups import scoped_env
 from ddp_triton.runtime.hook import then_unpack
+from dist_utils import call_as_the_test_left_off, snapshot, worker_context
 
 # The survivor trains for at most this long; a fixed hook raises within a few seconds of the peer's death.
 TRAIN_SECONDS = 30
@@ -45,7 +45,7 @@ def test_a_completed_all_reduce_unpacks_and_gives_the_buffer():
     assert done.wait() is buffer and unpacked == [True]
 
 
-def _train_until_peer_dies(rank, world_size, store_path, results, options):
+def _train_until_peer_dies(rank, world_size, store_path, options, results):
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.manual_seed(0)
@@ -76,11 +76,13 @@ def _train_until_peer_dies(rank, world_size, store_path, results, options):
     dict(comm_dtype=torch.float8_e4m3fn),  # all-to-all, float32 sum, all-gather: a chain of collectives
 ], ids=["cast", "in-place", "fp8-sharded"])
 def test_survivor_stops_when_a_peer_is_killed(options):
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp, scoped_env({"TRITON_INTERPRET": "0"}):
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_train_until_peer_dies, args=(r, 2, store_path, results, options), daemon=True)
+        procs = [ctx.Process(target=call_as_the_test_left_off,
+                             args=(snapshot(_train_until_peer_dies, (r, 2, store_path, options)), results),
+                             daemon=True)
                  for r in range(2)]
         for p in procs:
             p.start()
