@@ -42,6 +42,7 @@ from bench.common import environment, format_table, host_us_per_call, save_json 
 from bench.kernels import gpt2_small_shapes  # noqa: E402
 
 pack_module = importlib.import_module("ddp_triton.kernels.pack")  # the module: the package exports a function `pack`
+blockscale_module = importlib.import_module("ddp_triton.kernels.blockscale")
 launch_module = importlib.import_module("ddp_triton.kernels.launch")
 
 CPU = torch.device("cpu")
@@ -74,6 +75,7 @@ def stub_bound(bound: Any) -> Any:
 def cuda_like_path() -> Iterator[None]:
     """CPU tensors take the Triton path down to the stubbed launcher; layouts cached before are forgotten."""
     with mock.patch.object(pack_module, "uses_triton", lambda device: True), \
+            mock.patch.object(blockscale_module, "uses_triton", lambda device: True), \
             mock.patch.object(pack_module, "direct_launch", stub_direct_launch):
         pack_module.LAYOUTS.clear()
         try:
@@ -114,7 +116,8 @@ def _first_call(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable[[], Any], int]]:
     """(key, what, call, calls per round) of every row; the first is the torch baseline."""
-    from ddp_triton.kernels import bind_pack, pack, unpack
+    from ddp_triton.kernels import bind_pack, bind_quantize_blocks, block_layout, pack, unpack
+    from ddp_triton.kernels.fp8 import ROW_BYTES
 
     src, dst = torch.randn(1024), torch.empty(1024)
     one_out = torch.empty(1024, dtype=torch.bfloat16)
@@ -122,6 +125,9 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
     flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16)
     stats = torch.zeros(2)
     bound = stub_bound(bind_pack([src], one_out, SCALE))
+    layout = block_layout([src.numel()], 1)
+    rows = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+    bound_fp8 = stub_bound(bind_quantize_blocks(src, layout, rows, SCALE, residual=torch.zeros_like(src)))
     rows = [
         ("torch_op", "torch.mul(src, 0.125, out=dst), 1024 float32 (baseline)",
          lambda: torch.mul(src, SCALE, out=dst), 2000),
@@ -131,6 +137,7 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("unpack_stats_148", "unpack with stats, 148 tensors, repeat call",
          lambda: unpack(flat, grads, 8.0, stats=stats), 300),
         ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
+        ("bound_fp8", "bound FP8 quantize launch (wire formats), bind_quantize_blocks(...)()", bound_fp8, 5000),
     ]
     if hook_fn is not None:
         rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))

@@ -3,8 +3,8 @@
     python -m bench.wire_kernels [--mb 25] [--ranks 8] [--out-dir DIR] [--no-append]
 
 For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all-to-all's received buffer is
-simulated, each rank's slice the same bytes), times each launch the exchanges make and counts the bytes it must
-move:
+simulated, each rank's slice the same bytes), times each launch the exchanges make, bound as the exchanges bind
+them (``kernels.bind_*``: direct launches), and counts the bytes it must move:
 
 - quantize (FP8 E4M3, error feedback): reads the bucket (4 B) and the residual (4 B), writes the residual (4 B) and
   the rows (132/128 B) per element;
@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 from bench.common import append_results, bench_us, environment, format_table, save_json  # noqa: E402
 from bench.kernels import copy_ceiling_gbps  # noqa: E402
-from ddp_triton.kernels import block_layout, dequantize_blocks, quantize_blocks, reduce_blocks, sum_slices  # noqa: E402
+from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks,  # noqa: E402
+                                bind_sum_slices, block_layout, quantize_blocks)
 from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -55,12 +56,12 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
     summed16 = torch.empty(slice_n, dtype=torch.bfloat16, device=device)
     row_bytes_per_element = ROW_BYTES / 128
     cases = [
-        ("quantize e4m3 +ef", lambda: quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
+        ("quantize e4m3 +ef", bind_quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
          n * (4 + 4 + 4 + row_bytes_per_element)),
-        (f"reduce e4m3 x{ranks} +ef", lambda: reduce_blocks(received, ranks, shard, residual=shard_residual),
+        (f"reduce e4m3 x{ranks} +ef", bind_reduce_blocks(received, ranks, shard, residual=shard_residual),
          shard_rows * 128 * (ranks * row_bytes_per_element + 8 + row_bytes_per_element)),
-        ("dequantize e4m3 -> fp32", lambda: dequantize_blocks(send, layout, out), n * (row_bytes_per_element + 4)),
-        (f"sum slices bf16 x{ranks}", lambda: sum_slices(slices16, ranks, summed16), slice_n * (ranks * 2 + 2)),
+        ("dequantize e4m3 -> fp32", bind_dequantize_blocks(send, layout, out), n * (row_bytes_per_element + 4)),
+        (f"sum slices bf16 x{ranks}", bind_sum_slices(slices16, ranks, summed16), slice_n * (ranks * 2 + 2)),
         ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
     ]
     out_rows = []

@@ -15,7 +15,7 @@ residuals must be the same bits on every path.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from .blocks import BlockLayout
 from .convert import _convert, _load_fp32, _write_stats
 from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
 from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
+from .launch import Grid, Work, bind_work, run_work
 from .pack import uses_triton
 
 triton, tl = _triton.triton, _triton.tl
@@ -104,10 +105,18 @@ else:  # pragma: no cover - exercised only where Triton is missing
     _quantize_blocks_kernel = _reduce_blocks_kernel = _dequantize_blocks_kernel = None
 
 
+_NO_FUSION = (("enable_fp_fusion", False),)
+
+
 def _format(fmt: torch.dtype) -> Fp8Format:
     if fmt not in FORMATS:
         raise ValueError(f"fp8 format must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
     return FORMATS[fmt]
+
+
+def _check_layout(layout: BlockLayout) -> None:
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
 
 
 def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device) -> None:
@@ -138,37 +147,28 @@ def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.
         _check_flat(residual, "residual", numel, device, (torch.float32,))
 
 
-def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
-                    fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
-    """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
+# ---- the three passes: checked once into a Work, run once (plain call) or bound to repeat -------------------------
 
-    ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
-    ``layout.n_rows * ROW_BYTES`` bytes; ``residual`` float32 of src's length, updated in place.
-    """
+
+def _quantize_work(src, layout, rows, scale, fmt, residual) -> Work:
     spec = _format(fmt)
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
+    _check_layout(layout)
     _check_flat(src, "src", layout.n_elements, src.device if isinstance(src, torch.Tensor) else None)
     _check_rows(rows, layout.n_rows, "rows", src.device)
     _check_residual(residual, src.numel(), src.device)
     scale = float(scale)
     if not uses_triton(src.device):
-        torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual)
-        return
+        return Work(torch_path=lambda: torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual))
     src_bf16 = src.dtype == torch.bfloat16
-    with _triton.serialized():
-        _quantize_blocks_kernel[(layout.n_rows,)](
-            src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
-            residual if residual is not None else rows, rows, rows.view(torch.int32), scale,
-            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
-            SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
-            MAX_EXPONENT_OF=spec.max_exponent, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
+            residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
+    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
+                      SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+                      MAX_EXPONENT_OF=spec.max_exponent)
+    return Work(launch=(Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION), _quantize_blocks_kernel, args, constexprs))
 
 
-def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                  fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
-    """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
-    many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
+def _reduce_work(received, n_ranks, out, fmt, residual) -> Work:
     spec = _format(fmt)
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
         raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
@@ -179,45 +179,81 @@ def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
     _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
     _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
     if not uses_triton(out.device):
-        torch_wire.reduce_blocks(received, n_ranks, out, spec, residual)
-        return
-    if rows_per_rank == 0:
-        return
-    with _triton.serialized():
-        _reduce_blocks_kernel[(rows_per_rank,)](
-            received, received.view(torch.int32), residual if residual is not None else out, out,
-            out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS,
-            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
-            MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent,
-            num_warps=_NUM_WARPS, enable_fp_fusion=False)
+        return Work(torch_path=lambda: torch_wire.reduce_blocks(received, n_ranks, out, spec, residual))
+    args = (received, received.view(torch.int32), residual if residual is not None else out, out,
+            out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
+    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
+                      MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent)
+    return Work(launch=(Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION), _reduce_blocks_kernel, args, constexprs))
 
 
-def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                      fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
-    """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
-    (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
+def _dequantize_work(rows, layout, dst, fmt, stats) -> Work:
     spec = _format(fmt)
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
+    _check_layout(layout)
     _check_flat(dst, "dst", layout.n_elements, dst.device if isinstance(dst, torch.Tensor) else None)
     _check_rows(rows, layout.n_rows, "rows", dst.device)
     if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32
                               or stats.shape != (2,) or stats.device != dst.device):
         raise ValueError("stats must be a float32 tensor of shape (2,) on the bucket's device")
     if not uses_triton(dst.device):
-        torch_wire.dequantize_blocks(rows, layout, dst, spec, stats)
-        return
-    if layout.n_blocks == 0:
-        if stats is not None:
-            stats.zero_()
-        return
+        return Work(torch_path=lambda: torch_wire.dequantize_blocks(rows, layout, dst, spec, stats))
+    # With stats, each block's partial sums go to a buffer of this call's own, summed behind the kernel.
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
-    with _triton.serialized():
-        _dequantize_blocks_kernel[(layout.n_blocks,)](
-            rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials,
-            BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
-            STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
-            num_warps=_NUM_WARPS, enable_fp_fusion=False)
-    if stats is not None:
-        torch.sum(partials, dim=0, out=stats)
+    args = (rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials)
+    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
+                      STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits,
+                      BIAS=spec.bias)
+    after = (lambda: torch.sum(partials, dim=0, out=stats)) if stats is not None else None
+    return Work(launch=(Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION), _dequantize_blocks_kernel, args, constexprs),
+                after=after)
+
+
+# ---- public API ---------------------------------------------------------------------------------------------------
+
+
+def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
+                    fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+    """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
+
+    ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
+    ``layout.n_rows * ROW_BYTES`` bytes; ``residual`` float32 of src's length, updated in place.
+    """
+    run_work(_quantize_work(src, layout, rows, scale, fmt, residual))
+
+
+def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                  fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+    """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
+    many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
+    run_work(_reduce_work(received, n_ranks, out, fmt, residual))
+
+
+def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
+                      fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
+    """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
+    (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
+    run_work(_dequantize_work(rows, layout, dst, fmt, stats))
+
+
+def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
+                         fmt: torch.dtype = torch.float8_e4m3fn,
+                         residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
+    """Check :func:`quantize_blocks` once; the returned callable repeats it with little host work (a direct launch
+    on CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
+    return bind_work(_quantize_work(src, layout, rows, scale, fmt, residual))
+
+
+def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                       fmt: torch.dtype = torch.float8_e4m3fn,
+                       residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
+    """Check :func:`reduce_blocks` once and return a callable that repeats it (see :func:`bind_quantize_blocks`)."""
+    return bind_work(_reduce_work(received, n_ranks, out, fmt, residual))
+
+
+def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
+                           fmt: torch.dtype = torch.float8_e4m3fn,
+                           stats: Optional[torch.Tensor] = None) -> Callable[[], None]:
+    """Check :func:`dequantize_blocks` once and return a callable that repeats it (see
+    :func:`bind_quantize_blocks`)."""
+    return bind_work(_dequantize_work(rows, layout, dst, fmt, stats))

@@ -6,6 +6,9 @@ every bucket on the training thread. A :class:`BoundLaunch` resolves the compile
 arguments and afterwards calls its launcher directly. The launcher's calling convention changed in Triton 3.3
 (constexpr arguments are passed too), so the bound path checks itself once per process against the generic
 launcher and falls back to it, with a warning, if they ever disagree.
+
+What a launch runs over is a ``plan``: a work-list :class:`~.worklist.Plan` for pack and unpack, a :class:`Grid` for
+the wire-format kernels; both give ``n_items`` (programs), ``num_warps`` and ``options`` (compile options).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,6 +29,16 @@ logger = logging.getLogger("ddp_triton.kernels")
 
 _direct_launch_ok: Optional[bool] = None  # None: not checked yet in this process
 _SELF_CHECK_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A one-dimensional launch of ``n_items`` programs of ``num_warps`` warps; ``options``: compile options as
+    (name, value) pairs, such as ``("enable_fp_fusion", False)``."""
+
+    n_items: int
+    num_warps: int
+    options: Tuple[Tuple[str, Any], ...] = ()
 
 
 def kernel_arguments(
@@ -52,7 +66,7 @@ def launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
     if plan.n_items == 0:
         return
     with _triton.serialized():
-        kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps)
+        kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps, **dict(plan.options))
 
 
 def _key_of(arg: Any) -> Any:
@@ -257,8 +271,8 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
                  device: torch.device) -> Optional[Callable[[], None]]:
     """A closure that launches the compiled kernel without Triton's per-call argument handling, or None (use
     Triton's launcher): when the self-check failed or cannot run yet (CUDA graph capture)."""
-    if plan.table is None and plan.n_elements == 1:
-        return None  # a size of 1 is specialised away as a constant: not worth a second convention
+    if any(type(a) is int and a == 1 for a in args):
+        return None  # Triton specialises an int of 1 into a constant, which changes the launcher's arguments
     if not _direct_launch_available(device):
         return None
     try:
@@ -272,7 +286,8 @@ def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
 
 def _compile_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict, device: torch.device) -> "_DirectLaunch":
     with torch.cuda.device(device):  # compile and load the binary into the tensors' device's context
-        compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,))
+        compiled = kernel.warmup(*args, **constexprs, num_warps=plan.num_warps, grid=(plan.n_items,),
+                                 **dict(plan.options))
         if hasattr(compiled, "result"):  # Triton 3.6 hands back a future under asynchronous compilation
             compiled = compiled.result()
         run = compiled.run  # first: reading it loads the binary, which sets compiled.function
@@ -299,3 +314,39 @@ def _self_check(device: torch.device) -> bool:
             logger.warning("direct kernel launch disagreed with Triton's launcher; using Triton's launcher")
             return False
     return True
+
+
+class Work(NamedTuple):
+    """One checked call of a kernel that may also run on the torch CPU path: there ``torch_path``; otherwise
+    ``launch`` (plan, kernel, args, constexprs), then ``after`` if given (work queued behind the kernel, such as
+    summing its partial statistics)."""
+
+    torch_path: Optional[Callable[[], None]] = None
+    launch: Optional[Tuple[Any, Any, tuple, dict]] = None
+    after: Optional[Callable[[], None]] = None
+
+
+def run_work(work: Work) -> None:
+    """Do ``work`` once, through Triton's launcher (a plain call: nothing is kept)."""
+    if work.torch_path is not None:
+        work.torch_path()
+        return
+    launch(*work.launch)
+    if work.after is not None:
+        work.after()
+
+
+def bind_work(work: Work) -> Callable[[], None]:
+    """``work`` as a callable to repeat: the kernel as a :class:`BoundLaunch` (direct on CUDA), holding its tensors."""
+    if work.torch_path is not None:
+        return work.torch_path
+    kernel_launch = BoundLaunch(*work.launch)
+    after = work.after
+    if after is None:
+        return kernel_launch
+
+    def launch_then_after() -> None:
+        kernel_launch()
+        after()
+
+    return launch_then_after

@@ -6,11 +6,14 @@ to the wire dtype, so each element is rounded twice (pack, here) whatever N is.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
+from typing import Callable
+
 import torch
 
 from . import _triton, torch_wire
 from .convert import _convert, _load_fp32
 from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
+from .launch import Grid, Work, bind_work, run_work
 from .pack import uses_triton
 
 triton, tl = _triton.triton, _triton.tl
@@ -39,10 +42,7 @@ else:  # pragma: no cover - exercised only where Triton is missing
     _sum_slices_kernel = None
 
 
-def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
-    """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements,
-    same dtype as ``out``: float32, bfloat16 or float16), added in float32 in rank order and rounded once. NaNs are
-    written as the canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
+def _sum_slices_work(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> Work:
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
         raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
     for name, t in (("received", received), ("out", out)):
@@ -57,14 +57,23 @@ def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch
         raise ValueError(f"received has {received.numel()} elements, expected n_ranks * out.numel() = "
                          f"{n_ranks * out.numel()}")
     if not uses_triton(out.device):
-        torch_wire.sum_slices(received, n_ranks, out)
-        return out
-    if out.numel() == 0:
-        return out
+        return Work(torch_path=lambda: torch_wire.sum_slices(received, n_ranks, out))
     src_bf16 = received.dtype == torch.bfloat16
-    grid = (triton.cdiv(out.numel(), _BLOCK),)
-    with _triton.serialized():
-        _sum_slices_kernel[grid](received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]),
-                                 n_ranks, out.numel(), BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype],
-                                 HW_CONVERT=not _triton.INTERPRETER, num_warps=_NUM_WARPS)
+    args = (received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]), n_ranks,
+            out.numel())
+    constexprs = dict(BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype], HW_CONVERT=not _triton.INTERPRETER)
+    return Work(launch=(Grid(-(-out.numel() // _BLOCK), _NUM_WARPS), _sum_slices_kernel, args, constexprs))
+
+
+def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements,
+    same dtype as ``out``: float32, bfloat16 or float16), added in float32 in rank order and rounded once. NaNs are
+    written as the canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
+    run_work(_sum_slices_work(received, n_ranks, out))
     return out
+
+
+def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> Callable[[], None]:
+    """Check :func:`sum_slices` once; the returned callable repeats it with little host work (a direct launch on
+    CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
+    return bind_work(_sum_slices_work(received, n_ranks, out))

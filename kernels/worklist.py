@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,6 +30,7 @@ class Plan:
     block: int
     num_warps: int
     many_base: int  # index into the tensor list of the tensor whose address is the base pointer (-1: none)
+    options: Tuple[Tuple[str, Any], ...] = ()  # compile options (launch.Grid's); the conversion kernels take none
 
 
 def launch_config(total_elements: int, n_segments: int) -> Tuple[int, int]:

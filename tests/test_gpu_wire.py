@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from bits import assert_same_bits
-from ddp_triton.kernels import block_layout, dequantize_blocks, fp8, quantize_blocks, reduce_blocks, sum_slices
+from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks, bind_sum_slices,
+                                block_layout, dequantize_blocks, fp8, quantize_blocks, reduce_blocks, sum_slices)
 from ddp_triton.kernels import torch_wire
 from wire_reference import fp8_average
 
@@ -63,6 +64,42 @@ def test_sum_slices_same_bits_as_torch_path_on_cuda(dtype):
     torch_wire.sum_slices(received, 8, out)
     out_gpu = sum_slices(received.cuda(), 8, torch.empty(100003, dtype=dtype, device="cuda"))
     assert_same_bits(out_gpu.cpu(), out)
+
+
+def test_bound_wire_launches_take_the_direct_path_and_agree_with_plain_calls():
+    sizes, ranks, per_row = [1000, 129, 3, 70000], 3, fp8.ROW_BYTES
+    layout = block_layout(sizes, ranks)
+    x = gradient_like(sizes).cuda()
+    per = layout.rows_per_shard
+    received = torch.empty(per * per_row * ranks, dtype=torch.uint8, device="cuda")
+    plain, bound = ({"rows": torch.zeros(layout.n_rows * per_row, dtype=torch.uint8, device="cuda"),
+                     "res": torch.zeros_like(x), "out": torch.zeros(per * per_row, dtype=torch.uint8, device="cuda"),
+                     "shard_res": torch.zeros(per * 128, device="cuda"), "dst": torch.empty_like(x),
+                     "stats": torch.zeros(2, device="cuda"),
+                     "sum": torch.empty(len(x) // ranks, dtype=torch.bfloat16, device="cuda")} for _ in range(2))
+    slices16 = x[: len(x) // ranks * ranks].to(torch.bfloat16)
+    quantize = bind_quantize_blocks(x, layout, bound["rows"], 0.25, residual=bound["res"])
+    reduce = bind_reduce_blocks(received, ranks, bound["out"], residual=bound["shard_res"])
+    dequantize = bind_dequantize_blocks(bound["rows"], layout, bound["dst"], stats=bound["stats"])
+    summed = bind_sum_slices(slices16, ranks, bound["sum"])
+    for step in range(2):  # the second step reads the buffers' new contents
+        x.mul_(-0.5 if step else 1.0)
+        quantize_blocks(x, layout, plain["rows"], 0.25, residual=plain["res"])
+        quantize()
+        received.copy_(plain["rows"][: per * per_row].repeat(ranks))
+        reduce_blocks(received, ranks, plain["out"], residual=plain["shard_res"])
+        reduce()
+        dequantize_blocks(plain["rows"], layout, plain["dst"], stats=plain["stats"])
+        dequantize()
+        sum_slices(slices16, ranks, plain["sum"])
+        summed()
+        torch.cuda.synchronize()
+        for name, want in plain.items():
+            if want.dtype == torch.uint8:
+                assert torch.equal(bound[name], want), name
+            else:
+                assert_same_bits(bound[name], want)
+    assert quantize._direct is not None and reduce._direct is not None and summed._direct is not None
 
 
 @pytest.mark.parametrize("options", [dict(comm_dtype=torch.float8_e4m3fn),

@@ -3,7 +3,8 @@
 Used by the wire formats whose sum must not be taken in the wire dtype (``wire.py``): 16 bits with float32 sums, and
 block-scaled FP8. Per bucket: a kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each
 rank the N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard,
-and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
+and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's. The three
+kernels are bound once to the bucket's buffers (``kernels.bind_*``: direct launches on CUDA, no checks per step).
 
 Every rank must issue its collectives on a group in one order, and a gloo future's callback runs on gloo's own
 thread whenever the work finishes. So nothing here is issued from a callback in a race with the hook: an
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..kernels import blockscale, slices
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
 from .residuals import LayoutResiduals
@@ -144,7 +144,7 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
     pack = kernels.bind_pack([buffer], send[:n], pre_scale)
     unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats)
     return ShardedExchange(buffer, group, world_size, send, recv, shard, pack,
-                           lambda: slices.sum_slices(recv, world_size, shard), unpack)
+                           kernels.bind_sum_slices(recv, world_size, shard), unpack)
 
 
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
@@ -158,14 +158,7 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
     fmt = wire.comm_dtype
     first = residuals.first if residuals is not None else None
     second = residuals.second if residuals is not None else None
-
-    def quantize() -> None:
-        blockscale.quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
-
-    def reduce() -> None:
-        blockscale.reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
-
-    def dequantize() -> None:
-        blockscale.dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats)
-
+    quantize = kernels.bind_quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
+    reduce = kernels.bind_reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
+    dequantize = kernels.bind_dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats)
     return ShardedExchange(buffer, group, world_size, send, recv, shard, quantize, reduce, dequantize)

@@ -289,3 +289,73 @@ def test_bad_input_is_refused_by_name():
         block_layout([3], 0)
     with pytest.raises(ValueError, match="sizes"):
         block_layout([-1], 1)
+
+
+# ---- bound launches (what the hook's exchanges replay every step) ---------------------------------------------------
+
+
+def _fp8_round_trip(calls, src, layout, n_ranks, fmt):
+    """Quantize, reduce the same rows as if every rank sent them, dequantize with stats: every output, as run by
+    ``calls`` (the plain functions or their bound forms), over two steps with new bucket contents between."""
+    rows, shard = rows_for(layout), torch.empty(layout.rows_per_shard * fp8.ROW_BYTES, dtype=torch.uint8)
+    received = torch.empty(layout.rows_per_shard * fp8.ROW_BYTES * n_ranks, dtype=torch.uint8)
+    residual, shard_residual = torch.zeros(src.numel()), torch.zeros(layout.rows_per_shard * 128)
+    dst, stats = torch.empty_like(src), torch.zeros(2)
+    quantize, reduce, dequantize = calls(src, layout, rows, received, shard, residual, shard_residual, dst, stats,
+                                         n_ranks, fmt)
+    outputs = []
+    for step in range(2):
+        src.mul_(-0.5 if step else 1.0)  # the same buffers, new values: a bound launch must read them afresh
+        quantize()
+        received.copy_(rows[: shard.numel()].repeat(n_ranks))
+        reduce()
+        dequantize()
+        outputs += [t.clone() for t in (rows, shard, residual, shard_residual, dst, stats)]
+    return outputs
+
+
+def _plain(src, layout, rows, received, shard, residual, shard_residual, dst, stats, n_ranks, fmt):
+    return (lambda: blockscale.quantize_blocks(src, layout, rows, 0.5, fmt=fmt, residual=residual),
+            lambda: blockscale.reduce_blocks(received, n_ranks, shard, fmt=fmt, residual=shard_residual),
+            lambda: blockscale.dequantize_blocks(rows, layout, dst, fmt=fmt, stats=stats))
+
+
+def _bound(src, layout, rows, received, shard, residual, shard_residual, dst, stats, n_ranks, fmt):
+    return (blockscale.bind_quantize_blocks(src, layout, rows, 0.5, fmt=fmt, residual=residual),
+            blockscale.bind_reduce_blocks(received, n_ranks, shard, fmt=fmt, residual=shard_residual),
+            blockscale.bind_dequantize_blocks(rows, layout, dst, fmt=fmt, stats=stats))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bound_fp8_launches_replay_the_plain_calls_bit_for_bit(fmt):
+    sizes, n_ranks = [129, 7, 300], 3
+    layout = block_layout(sizes, n_ranks)
+    src = gradient_like(sizes, torch.float32)
+    plain = _fp8_round_trip(_plain, src.clone(), layout, n_ranks, fmt)
+    bound = _fp8_round_trip(_bound, src.clone(), layout, n_ranks, fmt)
+    for a, b in zip(plain, bound):
+        if a.dtype == torch.uint8:  # rows: codes and scales
+            assert torch.equal(b, a)
+        else:
+            assert_same_bits(b, a)
+    assert plain[-1][0] > 0 and not torch.equal(plain[4], plain[10])  # stats written; step 2 saw the new values
+
+
+def test_bound_sum_slices_replays_the_plain_call_and_refuses_bad_input_at_bind():
+    received = torch.randn(3 * 50).to(torch.bfloat16)
+    plain, bound = torch.empty(50, dtype=torch.bfloat16), torch.empty(50, dtype=torch.bfloat16)
+    run = slices.bind_sum_slices(received, 3, bound)
+    for _ in range(2):
+        received.mul_(3.0)
+        slices.sum_slices(received, 3, plain)
+        run()
+        assert_same_bits(bound, plain)
+    with pytest.raises(ValueError, match="received has"):
+        slices.bind_sum_slices(received, 2, bound)
+    layout = block_layout([10], 1)
+    with pytest.raises(ValueError, match="src has 9 elements"):
+        blockscale.bind_quantize_blocks(torch.ones(9), layout, rows_for(layout))
+    with pytest.raises(ValueError, match="n_ranks"):
+        blockscale.bind_reduce_blocks(rows_for(layout), 0, rows_for(layout))
+    with pytest.raises(ValueError, match="stats"):
+        blockscale.bind_dequantize_blocks(rows_for(layout), layout, torch.empty(10), stats=torch.empty(3))
