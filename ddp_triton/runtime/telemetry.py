@@ -12,7 +12,9 @@ Three pieces, each costing nothing a step does not need:
   ranges are missing from the trace while pack and launch ranges are all there.
 - **Bytes on the wire**, counted per collective actually issued (``count_issued``): the bytes of the tensor each
   collective was handed, per wire format, in total and for the latest backward pass. Always on: a few integer
-  additions per bucket.
+  additions per bucket. A sharded exchange counts its all-to-all's buffer, once: with its all-gather it sends what
+  a ring all-reduce of that buffer sends (2(N-1)/N of it per rank), so the counts of all formats compare as message
+  sizes, the way NCCL's own tests size an all-reduce.
 - **Timings**, with ``CommState(timing=True)`` only: pack, communication (from the collective's launch to the start
   of its unpack, in stream order) and unpack of each bucket in the latest pass. On CUDA tensors they are CUDA
   events recorded on the tensors' stream and read back only in ``summary()`` (which waits for them: the step never

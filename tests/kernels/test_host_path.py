@@ -296,14 +296,19 @@ def test_threads_replay_only_their_own_layouts(monkeypatch):
     monkeypatch.setattr(pack_module, "direct_launch", _recording_direct_launch(calls))
     monkeypatch.setattr(pack_module, "LAYOUTS", LayoutCache(capacity=4))  # fewer than the layouts: evictions race
     outs = {}
+    # Every thread's tensors live, and every thread runs, from the first pack to the last: a thread that ended early
+    # could hand its identity, or its tensors' addresses, to another.
+    together = threading.Barrier(4, timeout=60)  # a thread that fails breaks it for the others: no hang
 
     def work(i):
         layouts = [(tensors_of([3 + i, 5 + k], seed=i), torch.empty(8 + i + k, dtype=torch.bfloat16))
                    for k in range(3)]
         outs[threading.get_ident()] = {out.data_ptr() for _, out in layouts}
+        together.wait()
         for _ in range(50):
             for tensors, out in layouts:
                 pack(tensors, out, 0.5)
+        together.wait()
 
     _in_threads(work, 4)
     assert len(calls) == 4
