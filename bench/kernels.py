@@ -215,9 +215,9 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     return rows
 
 
-def host_overhead_rows(device: torch.device, shapes: List[tuple]) -> List[Dict[str, Any]]:
+def host_overhead_rows(device: torch.device, shapes: List[tuple], calls: int = 2000) -> List[Dict[str, Any]]:
     """Host microseconds per call (the GPU is never the limit here): the cost a hook pays on the training thread
-    per bucket, and a plain pack of GPT-2's gradient list, beside torch's own ops."""
+    per bucket, and a plain pack of GPT-2's gradient list, beside torch's own ops; ``calls`` per row."""
     src = torch.randn(1024, device=device)
     out = torch.empty(1024, dtype=torch.bfloat16, device=device)
     bound = bind_pack([src], out, 1.0 / WORLD)
@@ -231,7 +231,8 @@ def host_overhead_rows(device: torch.device, shapes: List[tuple]) -> List[Dict[s
         ("torch copy_ (one elementwise op)", lambda: out.copy_(src)),
         ("torch mul(...).to(bfloat16) (two ops)", lambda: src.mul(1.0 / WORLD).to(torch.bfloat16)),
     ]
-    rows = [{"call": name, "host_us": host_us_per_call(fn, device)} for name, fn in candidates]
+    rows = [{"call": name, "host_us": host_us_per_call(fn, device, calls=calls, warmup=max(1, calls // 10))}
+            for name, fn in candidates]
     if device.type == "cuda":
         rows.append({"call": "CUDA graph replay of the bound pack", "host_us": graph_replay_host_us(bound, device)})
     return rows
@@ -296,7 +297,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     compile_ = not args.no_compile
     buckets = bucket_rows(device, sizes, ceiling, compile_)
     gradients = gradient_list_rows(device, shapes, ceiling, compile_)
-    host = host_overhead_rows(device, shapes)
+    host = host_overhead_rows(device, shapes, calls=100 if args.quick else 2000)
     graphs = graph_rows(device, 25.0 if not args.quick else 1.0) if device.type == "cuda" else []
     sweep = block_sweep_rows(device, [1.0, 4.0, 25.0, 100.0], ceiling) if args.sweep and device.type == "cuda" else []
 
