@@ -21,6 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,7 +34,7 @@ _STORE_ENV = "DDPT_TEST_STORE"
 
 # Imported by the fork server before any worker exists. Only modules that read no setting a test changes: torch
 # imports neither Triton nor this project, whose kernels read TRITON_INTERPRET when they are decorated.
-_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.multiprocessing"]
+_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.multiprocessing", "numpy", "pytest"]
 
 
 def worker_context():
@@ -72,6 +73,7 @@ def init_gloo(rank: int, world_size: int) -> None:
 def _worker(rank: int, world_size: int, store_path: str, results: Any, test_state: tuple) -> None:
     try:
         fn, args, init = start_as_the_test_left_off(*test_state)
+        torch.set_num_threads(1)  # N workers on a few cores: one thread each, not N x cores spinning on each other
         os.environ[_STORE_ENV] = store_path
         if init:
             init_gloo(rank, world_size)
