@@ -126,8 +126,8 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
     stats = torch.zeros(2)
     bound = stub_bound(bind_pack([src], one_out, SCALE))
     layout = block_layout([src.numel()], 1)
-    rows = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
-    bound_fp8 = stub_bound(bind_quantize_blocks(src, layout, rows, SCALE, residual=torch.zeros_like(src)))
+    fp8_rows = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+    bound_fp8 = stub_bound(bind_quantize_blocks(src, layout, fp8_rows, SCALE, residual=torch.zeros_like(src)))
     rows = [
         ("torch_op", "torch.mul(src, 0.125, out=dst), 1024 float32 (baseline)",
          lambda: torch.mul(src, SCALE, out=dst), 2000),

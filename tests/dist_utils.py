@@ -45,7 +45,9 @@ def worker_context():
 
 
 def start_as_the_test_left_off(env: dict, cwd: str, payload: bytes) -> Any:
-    """In a worker: take the test's environment and working directory, then unpickle what ``payload`` holds."""
+    """In a worker: take the test's environment and working directory and one intra-op thread (N workers share a
+    few cores: more threads would spin on each other), then unpickle what ``payload`` holds."""
+    torch.set_num_threads(1)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -73,7 +75,6 @@ def init_gloo(rank: int, world_size: int) -> None:
 def _worker(rank: int, world_size: int, store_path: str, results: Any, test_state: tuple) -> None:
     try:
         fn, args, init = start_as_the_test_left_off(*test_state)
-        torch.set_num_threads(1)  # N workers on a few cores: one thread each, not N x cores spinning on each other
         os.environ[_STORE_ENV] = store_path
         if init:
             init_gloo(rank, world_size)

@@ -4,7 +4,6 @@ size 1.
 Tier: GPU (skipped without CUDA). The same kernels' bits in Triton's interpreter are in test_kernels.py.
 """
 
-
 import pytest
 import torch
 import torch.nn as nn

@@ -35,9 +35,9 @@ from .calibration import AlgorithmCalibration
 from .fabric import (Estimate, Fabric, _LL128, _SIMPLE, algbw_gbps, algorithm_unavailable_reason,
                      available_algorithms, busbw_factor)
 from .nccl import (NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, NVLS_CHUNK_BYTES, RING_CHUNK_BYTES, _bus_and_ratio,
-                   _latency_parts, _plateau, _protocol_runs, checked_protocol, untimed_us, channel_min_bytes,
-                   comm_channels, inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels,
-                   nvls_chunk_bytes, protocol_algbw_gbps)
+                   _latency_parts, _plateau, _protocol_runs, channel_min_bytes, checked_protocol, comm_channels,
+                   inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels, nvls_chunk_bytes,
+                   protocol_algbw_gbps, untimed_us)
 
 #: Extra latency per intra-node ring or tree step on Ampere NVLink, every protocol, microseconds. Both published
 #: 8 x A100 sweeps are 1.4 to 1.8x slower than NCCL's estimate from 1 to 32 MiB (bench/published/
