@@ -12,13 +12,17 @@ thread whenever the work finishes. So nothing here is issued from a callback in 
 and then the all-to-all of the next, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank. The last bucket of a
 backward, or a bucket whose next never comes, is driven by its all-to-all's completion. Any error (a failed
 collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one all-reduce.
+
+The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
+queue (``ExchangeQueue.ordered``): they are issued after the pending bucket's all-gather and before the next
+bucket's all-to-all, never beside a callback's all-gather in an order that depends on which rank was late.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,11 +64,20 @@ class _Run:
 
 
 class ExchangeQueue:
-    """Issues the sharded exchanges' collectives in the same order on every rank (see the module docstring)."""
+    """Issues a state's collectives in the same order on every rank (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: Optional[_Run] = None
+
+    @contextlib.contextmanager
+    def ordered(self) -> Iterator[None]:
+        """Issue collectives of one's own inside this block: after every collective the queue has issued or owes
+        (the pending bucket's all-gather is issued first), and before any it issues next. Blocking ones may wait
+        here: no callback issues a collective while the block runs."""
+        with self._lock:
+            self._drive_pending()
+            yield
 
     def start(self, exchange: ShardedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
         """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the

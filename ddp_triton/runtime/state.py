@@ -302,7 +302,9 @@ class CommState:
         if entry is not None and entry.residuals is not None and not entry.residuals.alive:
             entry = None  # its residuals moved to another layout: bind again, taking them back
         if entry is None:
-            entry = self.buckets[signature] = self._bind(signature, buffer, bucket)
+            # Binding may issue collectives (a lazy state's agreement, the residuals' re-slice): in the one order.
+            with self.exchanges.ordered():
+                entry = self.buckets[signature] = self._bind(signature, buffer, bucket)
         entry.last_used = self._passes
         return entry
 
@@ -414,7 +416,8 @@ class CommState:
         if not self._attached:
             return {"version": 1, **self._residual_settings(), "rank": None, "world_size": None,
                     "first_stage": {}, "second_stage": {}}
-        return self.residuals.state_dict(self.group, self._residual_settings())
+        with self.exchanges.ordered():
+            return self.residuals.state_dict(self.group, self._residual_settings())
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on this rank; the next buckets re-slice the residuals to their

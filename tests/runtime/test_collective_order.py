@@ -1,0 +1,140 @@
+"""Every rank issues a state's collectives in one order, whichever rank is late and however DDP re-buckets.
+
+Tier: gloo multi-process on CPU (2 and 3 ranks), on the kernels' torch path. Each worker records every collective
+it issues through ``torch.distributed`` (kind, group size, element count), in issue order, while it trains models
+whose parameters are used in another order than they were registered, so that DDP's bucket rebuild after the first
+step changes the bucket layouts (the FP8 residuals are re-sliced with a collective of their own then), and whose
+ranks are slowed down at random points of the backward. The ranks' records must be equal, and every run must end
+within the workers' time limit.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from ddp_triton.runtime import exchange
+from ddp_triton.runtime.algo_groups import scoped_env
+from dist_utils import run_workers
+
+LAYERS = 8
+WIDTH = 128  # 16.5k parameters a layer: two layers to a bucket under the cap below
+BUCKET_CAP_MB = 0.15
+STEPS = 3  # step 0 in the constructor's bucket order, then the rebuilt one
+
+_RECORDED = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "broadcast",
+             "all_gather", "reduce_scatter_tensor", "barrier")
+
+
+class Recorder:
+    """Wraps ``torch.distributed``'s collectives (and the exchange's all-gather) to note each call as issued."""
+
+    def __init__(self) -> None:
+        self.calls = []
+        self._lock = threading.Lock()
+        self._saved = []
+
+    def _wrap(self, owner, name):
+        real = getattr(owner, name)
+
+        def recorded(*args, **kwargs):
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            group = kwargs.get("group")
+            with self._lock:
+                self.calls.append((name if owner is dist else "exchange." + name,
+                                   dist.get_world_size(group) if group is not None else None,
+                                   None if tensor is None else tensor.numel()))
+            return real(*args, **kwargs)
+
+        self._saved.append((owner, name, real))
+        setattr(owner, name, recorded)
+
+    def __enter__(self):
+        for name in _RECORDED:
+            if hasattr(dist, name):
+                self._wrap(dist, name)
+        self._wrap(exchange, "_all_gather_into")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._saved):
+            setattr(owner, name, real)
+
+
+class Straggle(torch.autograd.Function):
+    """Identity whose backward sleeps: a rank late at that point of its backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.seconds:
+            time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Shuffled(nn.Module):
+    """Linear layers used in ``order``, not in the order they were registered; ``delays[i]`` after layer i."""
+
+    def __init__(self, order):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.order = order
+        self.delays = [0.0] * LAYERS
+
+    def forward(self, x):
+        for i in self.order:
+            x = Straggle.apply(torch.tanh(self.layers[i](x)), self.delays[i])
+        return x
+
+
+def _bucket_kwargs():
+    if "bucket_cap_mb_list" in DDP.__init__.__code__.co_varnames:  # torch >= 2.13: several constructor buckets too
+        return dict(bucket_cap_mb_list=[BUCKET_CAP_MB] * LAYERS)
+    return dict(bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def _order_worker(rank, world_size, options, trials):
+    for trial in range(trials):
+        shared = random.Random(trial)  # the same model on every rank
+        order = list(range(LAYERS))
+        shared.shuffle(order)
+        late = random.Random(1000 * trial + rank)  # each rank late in its own places
+        model = Shuffled(order)
+        ddp = DDP(model, **_bucket_kwargs())
+        ddp_triton.register(ddp, **options)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        with Recorder() as recorder:
+            for step in range(STEPS):
+                model.delays = [late.choice((0.0, 0.0, 0.02, 0.1)) for _ in range(LAYERS)]
+                opt.zero_grad()
+                ddp(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))).sum().backward()
+                opt.step()
+        records = [None] * world_size
+        dist.all_gather_object(records, recorder.calls)
+        for other, calls in enumerate(records):
+            assert calls == records[0], (f"trial {trial} ({options}): rank {other} issued its collectives in "
+                                         f"another order than rank 0:\n{calls}\n{records[0]}")
+        kinds = {name for name, _, _ in recorder.calls}
+        assert "all_to_all_single" in kinds, kinds
+        if options.get("comm_dtype") == torch.float8_e4m3fn:
+            assert "all_reduce" in kinds, f"no residual re-slice happened: the bucket layouts did not change {kinds}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_in_one_order_under_stragglers_and_a_rebuild(world_size):
+    """FP8 with error feedback (its residuals re-slice at the rebuild) and bf16 with float32 sums."""
+    with scoped_env({"TRITON_INTERPRET": "0"}):
+        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn), 4),
+                                (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 2)):
+            run_workers(_order_worker, world_size, options, trials, timeout=90)
