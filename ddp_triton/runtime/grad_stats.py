@@ -29,16 +29,18 @@ backward, after DDP has finished with the gradients (an autograd callback queued
 notes its buffer's version counter; gradients that are views of the bucket (``gradient_as_bucket_view=True``)
 share that counter, so one number per bucket covers them. Gradients DDP copied out of the bucket (the default)
 are noted one by one, and only if DDP wrote them in this pass (it leaves a globally unused parameter's gradient as
-it was). An in-place change to a gradient afterwards (``mul_``, an optimizer hook, GradScaler's ``unscale_``, a
-``no_sync`` backward accumulating into it) moves its counter, a gradient replaced or not in the pass is not the
-one noted, and either makes the state decline. Changes the counter cannot see: writes through ``.data`` or by
-kernels that bypass autograd's bookkeeping.
+it was), and so are the parameters left without a gradient. An in-place change to a gradient afterwards (``mul_``,
+an optimizer hook, a ``no_sync`` backward accumulating into it) moves its counter, a gradient replaced or not in
+the pass is not the one noted, a gradient dropped since (set to None, ``zero_grad()``) is missing from a norm that
+counts it, and each makes the state decline. Changes the counter cannot see: writes through ``.data``, and ops
+that skip autograd's bookkeeping, GradScaler's ``unscale_`` among them (``torch._amp_foreach_non_finite_check_and_
+unscale_``): ``clip_grad_norm_`` takes the scaler to account for it.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -107,7 +109,7 @@ def mark_per_parameter(state: Any) -> None:
 class BucketCoverage:
     """One bucket's parameters, and what its gradients were when the latest pass ended (see the module docstring)."""
 
-    __slots__ = ("params", "buffer", "views", "before", "pass_id", "buffer_version", "grads")
+    __slots__ = ("params", "buffer", "views", "before", "pass_id", "buffer_version", "grads", "absent")
 
     def __init__(self, params: List[torch.Tensor], buffer: torch.Tensor) -> None:
         self.params = params
@@ -121,6 +123,8 @@ class BucketCoverage:
         self.buffer_version = -1
         self.grads: Dict[int, Tuple[Any, int]] = {}
         """id(param) -> (weak reference to its gradient, its version) for gradients that are not bucket views."""
+        self.absent: frozenset = frozenset()
+        """id(param) of the parameters that had no gradient when the pass ended (they count as zeros)."""
 
     def note_before(self) -> None:
         """At the hook, before DDP copies the bucket out: each gradient and its version (not for bucket views)."""
@@ -132,6 +136,7 @@ class BucketCoverage:
         """After DDP's end of backward: the buffer's version, and the gradients DDP wrote from the bucket."""
         self.buffer_version = self.buffer._version
         self.grads = {}
+        self.absent = frozenset(id(p) for p in self.params if p.grad is None)
         if not self.views:
             before, self.before = self.before, None
             views, seen = True, False
@@ -191,9 +196,10 @@ def _note_pass_end(state: Any, pass_id: int) -> None:
             e.coverage.note_end(pass_id)
 
 
-def cannot_vouch(model: torch.nn.Module, state: Any, norm_type: float = 2.0) -> Optional[str]:
-    """None when ``state``'s norm is the norm torch's ``clip_grad_norm_(model.parameters(), norm_type=norm_type)``
-    would compute; else why not, in words. Reads no gradient values (a host loop over the parameters)."""
+def cannot_vouch(model: Any, state: Any, norm_type: float = 2.0) -> Optional[str]:
+    """None when ``state``'s norm is the norm torch's ``clip_grad_norm_`` would compute over ``model``'s parameters
+    (a module, or an iterable of parameters as torch's takes); else why not, in words. Reads no gradient values (a
+    host loop over the parameters)."""
     try:
         if float(norm_type) != 2.0:
             return f"norm_type={norm_type}: the state keeps the 2-norm only"
@@ -211,14 +217,31 @@ def cannot_vouch(model: torch.nn.Module, state: Any, norm_type: float = 2.0) -> 
                     "all-reduces on a rank that has joined)")
         for p in coverage.params:
             owner[id(p)] = coverage
-    for name, p in model.named_parameters():
+    given = set()
+    for name, p in _named(model):
+        given.add(id(p))
         g = p.grad
-        if g is None:
-            continue  # torch's clip skips it too
         coverage = owner.get(id(p))
+        if g is None:
+            if coverage is not None and id(p) not in coverage.absent:
+                return (f"parameter {name}'s gradient was dropped (set to None, or zero_grad()) after the latest "
+                        "synchronising backward, whose norm counts it")
+            continue  # torch's clip skips it too
         if coverage is None:
             return f"parameter {name} has a gradient that was not in the latest synchronising backward"
         if not coverage.vouches(p, g):
             return (f"parameter {name}'s gradient changed since the latest synchronising backward (or DDP did not "
                     "write it there)")
+    for param_id, coverage in owner.items():
+        if param_id not in given and param_id not in coverage.absent:
+            return ("the latest synchronising backward's norm counts gradients of parameters that were not given "
+                    "(clip the whole model, or all of its parameters)")
     return None
+
+
+def _named(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, parameter) of a module, or of the parameters of an iterable (or one tensor) named by position."""
+    if isinstance(model, torch.nn.Module):
+        return iter(model.named_parameters())
+    params = [model] if isinstance(model, torch.Tensor) else list(model)
+    return ((f"#{i} of those given", p) for i, p in enumerate(params))

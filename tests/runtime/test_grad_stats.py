@@ -58,28 +58,41 @@ def assert_grads(model, expected, rtol):
             torch.testing.assert_close(p.grad, g, rtol=rtol, atol=1e-7, msg=name)
 
 
-def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL):
-    """The state vouches, its norm is the gradients' norm, and its clip is torch's without calling torch's."""
+def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, params=None):
+    """The state vouches, its norm is the gradients' norm, and its clip is torch's without calling torch's.
+    ``params``: a function giving what to clip, as torch's clip takes it (default: the DDP model itself)."""
+    target = ddp if params is None else params()
     assert cannot_vouch(ddp, state) is None, cannot_vouch(ddp, state)
     norm = state.grad_norm()
     assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.device == next(ddp.parameters()).device
-    assert float(norm) == pytest.approx(float64_norm(ddp), rel=FP32_RTOL)  # float32 sums against float64
+    if scaler is None:
+        assert float(norm) == pytest.approx(float64_norm(ddp), rel=FP32_RTOL)  # float32 sums against float64
     assert float(state.found_inf()) == 0.0
     expected_norm, expected_grads = torch_reference(ddp, max_norm)
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("torch's clip ran")):
-        clipped = ddp_triton.clip_grad_norm_(ddp, max_norm, state=state)
+        clipped = ddp_triton.clip_grad_norm_(target, max_norm, state=state, scaler=scaler)
     assert float(clipped) == pytest.approx(float(expected_norm), rel=rtol)
     assert_grads(ddp, expected_grads, rtol)
     return float(clipped)
 
 
-def check_fallback(ddp, state, max_norm, reason, norm_type=2.0):
+def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None):
     """The state declines (saying ``reason``) and clip_grad_norm_ is torch's, with torch's results."""
-    why = cannot_vouch(ddp, state, norm_type) if state is not None else "no CommState"
+    target = ddp if params is None else params()
+    why = cannot_vouch(params() if params is not None else ddp, state, norm_type) if state is not None \
+        else "no CommState"
     assert why is not None and reason in why, why
     expected_norm, expected_grads = torch_reference(ddp, max_norm, norm_type)
+    if params is not None:  # torch's clip over only those given
+        chosen = {id(p) for p in params()}
+        grads = [p.grad for p in ddp.parameters() if id(p) in chosen and p.grad is not None]
+        expected_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) \
+            if grads else torch.tensor(0.0)
+        coef = torch.clamp(max_norm / (expected_norm + 1e-6), max=1.0)
+        expected_grads = [None if p.grad is None else (p.grad * coef if id(p) in chosen else p.grad.clone())
+                          for p in ddp.parameters()]
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=TORCH_CLIP) as torch_clip:
-        clipped = ddp_triton.clip_grad_norm_(ddp, max_norm, state=state, norm_type=norm_type)
+        clipped = ddp_triton.clip_grad_norm_(target, max_norm, state=state, norm_type=norm_type)
     assert torch_clip.call_count == 1
     assert float(clipped) == float(expected_norm)
     assert_grads(ddp, expected_grads, rtol=0)
@@ -259,11 +272,50 @@ def _fallbacks(rank, world_size):
     assert restored.grad_stats and restored.timing
 
 
+def _amp_dropped_and_parameter_lists(rank, world_size):
+    for gabv in (False, True):
+        ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
+        state = ddp_triton.register(ddp, grad_stats=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        # Automatic mixed precision: GradScaler's unscale_ divides the gradients without moving their version
+        # counters; given the scaler, the state's norm is the unscaled gradients' norm, as torch's clip finds it.
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for s in range(2):
+            ddp.zero_grad()
+            x, y = make_data(s)
+            scaler.scale(nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)),
+                                                local_slice(y, rank, world_size))).backward()
+            if s == 0:  # clipping the scaled gradients, before unscale_: the scaled norm, as torch's
+                scaled = check_clip_via_state(ddp, state, 1e6, scaler=scaler)
+                scaler.unscale_(opt)
+            else:
+                scaler.unscale_(opt)
+                unscaled = check_clip_via_state(ddp, state, 1.0, scaler=scaler)
+            scaler.step(opt)
+            scaler.update()
+        assert scaled > 100 * unscaled, (scaled, unscaled)  # a scale of 1024 between them, up to a step's change
+        # Gradients dropped after the backward: the norm of the pass counts them, torch's clip does not.
+        step(ddp, rank, world_size, 0)
+        ddp.module[2].weight.grad = None
+        check_fallback(ddp, state, 1.0, "dropped")
+        step(ddp, rank, world_size, 0)
+        ddp.zero_grad()
+        check_fallback(ddp, state, 1.0, "dropped")
+        # torch's calling convention: the parameters (a generator), all of them, or only some
+        step(ddp, rank, world_size, 0)
+        check_clip_via_state(ddp, state, 0.05, params=ddp.parameters)
+        step(ddp, rank, world_size, 0)
+        check_fallback(ddp, state, 0.05, "not given", params=lambda: list(ddp.parameters())[:2])
+        step(ddp, rank, world_size, 0)
+        check_fallback(ddp, None, 0.05, "no CommState", params=ddp.parameters)
+
+
 def _grad_stats_worker(rank, world_size):
     for case in (_several_buckets, _no_sync, _unused_parameters, _mixed_dtypes, _non_finite, _join):
         case(rank, world_size)
     if world_size == 2:  # the fallbacks do not depend on the world size: once is enough
         _fallbacks(rank, world_size)
+        _amp_dropped_and_parameter_lists(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
