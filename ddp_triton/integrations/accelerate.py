@@ -18,8 +18,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.hook import register as register_on_ddp
-from ..runtime.state import CommState
-from ._options import check_state_options
+from ..runtime.state import CommState, check_options
 
 try:
     import accelerate  # noqa: F401  (only to fail here, clearly, where it is missing)
@@ -66,7 +65,7 @@ def register(accelerator: Any, model: Module, **state_options: Any) -> CommState
     ``state_options`` are :class:`ddp_triton.CommState`'s fields (``comm_dtype``, ``profile``, ...), the process group
     and device the model's by default. Call on every process, in the same order, after ``prepare``.
     """
-    check_state_options(**state_options)
+    check_options(state_options)
     ddp = find_ddp(accelerator, model)
     registered = list(getattr(ddp, "_comm_hooks", ()))
     if registered:

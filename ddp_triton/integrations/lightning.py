@@ -6,19 +6,20 @@
 Lightning's own ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers a hook only on CUDA; the Callback
 registers at fit start, after the strategy has wrapped the model in DDP, on any device (gloo on CPU included). Works
 with either package, ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning``: the Callback is one of both.
+With error feedback (FP8), the Callback's state in Lightning's checkpoint holds every rank's residuals, so a run
+resumed from it (``fit(ckpt_path=...)``) continues the one that saved it.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.hook import register, triton_hook
-from ..runtime.state import CommState
-from ._options import check_state_options
+from ..runtime.state import CommState, check_options
 
 
 def _frameworks() -> List[Any]:
@@ -56,9 +57,23 @@ class TritonHook(*_CALLBACKS):  # type: ignore[misc]  # a Callback of each Light
 
     def __init__(self, comm_dtype: torch.dtype = torch.bfloat16, **state_options: Any) -> None:
         super().__init__()
-        check_state_options(comm_dtype=comm_dtype, **state_options)  # fails where the Trainer is configured
+        check_options(dict(comm_dtype=comm_dtype, **state_options))  # fails where the Trainer is configured
         self.state_options = dict(comm_dtype=comm_dtype, **state_options)
         self.state: Optional[CommState] = None
+        self._restored: Optional[Dict[str, Any]] = None  # residuals from a checkpoint, until the state exists
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The error-feedback residuals of every rank, for Lightning's checkpoint (which rank 0 alone writes; every
+        rank builds it, so the gather is collective as it must be). Empty without error feedback."""
+        if self.state is None or not self.state.wire.error_feedback:
+            return {}
+        return {"residuals": self.state.all_ranks_state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take the residuals of a checkpoint: Lightning restores Callbacks before fit start, so they are loaded
+        into the state when it is registered there (each rank takes its own first stage)."""
+        self._restored = state_dict.get("residuals")
+        self._load_restored()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         strategy = trainer.strategy
@@ -76,6 +91,7 @@ class TritonHook(*_CALLBACKS):  # type: ignore[misc]  # a Callback of each Light
                 warnings.warn("TritonHook: the strategy already registered triton_hook with its ddp_comm_state; "
                               "keeping that one (drop the Callback or the strategy's ddp_comm_hook)", stacklevel=2)
                 self.state = state if isinstance(state, CommState) else None
+                self._load_restored()
                 return
             raise RuntimeError(
                 f"TritonHook: the DDP model already has a comm hook, {_hook_name(hook)} (the strategy's "
@@ -85,3 +101,9 @@ class TritonHook(*_CALLBACKS):  # type: ignore[misc]  # a Callback of each Light
                 f"TritonHook: the strategy also carries ddp_comm_hook={_hook_name(carried)}, which Lightning did not "
                 f"register on {strategy.root_device.type}; TritonHook registers triton_hook instead", stacklevel=2)
         self.state = register(model, **self.state_options)
+        self._load_restored()
+
+    def _load_restored(self) -> None:
+        if self._restored is not None and self.state is not None:
+            self.state.load_state_dict(self._restored)
+            self._restored = None

@@ -228,6 +228,21 @@ def check_wire_agreement(wire_format: str, process_group: ProcessGroup) -> None:
                            "accumulate_dtype and error_feedback")
 
 
+def fail_together(problem: Optional[str], process_group: ProcessGroup) -> None:
+    """Raise ValueError on every rank of the group if any rank has a ``problem`` (its own words where it has one):
+    a rank that failed alone would leave the others waiting in their next collective."""
+    if dist.get_world_size(process_group) == 1:
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    flags = _gather_text("1" if problem is not None else "0", process_group)
+    if problem is not None:
+        raise ValueError(problem)
+    failed = [r for r, flag in zip(dist.get_process_group_ranks(process_group), flags) if flag == "1"]
+    if failed:
+        raise ValueError(f"rank(s) {failed} failed to bind this state (their error says why); every rank stops")
+
+
 def _gather_text(text: str, pg: ProcessGroup) -> List[str]:
     """Every rank's ``text`` (ASCII, the same length on every rank), through one all_gather of bytes."""
     mine = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8, device=_digest_device(pg))

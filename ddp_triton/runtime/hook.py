@@ -139,6 +139,8 @@ def reattach(ddp_model: torch.nn.parallel.DistributedDataParallel) -> Any:
     except Exception:  # e.g. the reducer still has its hook (torch allows one): leave the model as it was
         ddp_model._comm_hooks[:] = before
         raise
+    if isinstance(entry[1], CommState):
+        entry[1].name_parameters(ddp_model.module)  # the unpickled model's parameters, for state_dict()
     return entry[1]
 
 

@@ -12,6 +12,7 @@ Memory: 4 bytes per parameter element for the first stage, 4/N for the second (f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -52,6 +53,13 @@ class ResidualStore:
     """Every residual of a CommState, by parameter; ``names`` (parameter identity -> name) for ``state_dict``."""
 
     names: Dict[int, str] = field(default_factory=dict)
+    """id(parameter) -> its name, for every parameter of the models the state was registered on."""
+    shapes: Dict[str, torch.Size] = field(default_factory=dict)
+    """name -> the parameter's shape, to check what ``load_state_dict`` is given."""
+    refs: Dict[int, Any] = field(default_factory=dict, repr=False)
+    """id(parameter) -> a weak reference to it: a name whose parameter is gone (its id free again) is dropped."""
+    loaded_from: Optional[Tuple[int, int]] = None
+    """(rank, world size) of the residuals loaded and not yet taken by a layout, for a ``state_dict`` before binding."""
     layouts: Dict[Tuple[int, ...], LayoutResiduals] = field(default_factory=dict)
     pending_first: Dict[int, torch.Tensor] = field(default_factory=dict)
     """Per parameter, first-stage residuals not yet in any live layout (taken from a retired layout or loaded)."""
@@ -106,60 +114,160 @@ class ResidualStore:
             held.alive = False
             del self.layouts[held.params]
 
+    # ---- names ------------------------------------------------------------------------------------------------
+
+    def name_parameters(self, module: torch.nn.Module) -> None:
+        """Name ``module``'s parameters, beside those of models named before. A model whose parameter names are
+        taken by another model's (two models sharing one state) is named ``model1.<name>``, ``model2.<name>``, ...
+        in the order the models were registered, so registering them in the same order finds the same names."""
+        for param_id in [k for k, ref in self.refs.items() if ref() is None or id(ref()) != k]:
+            self.shapes.pop(self.names.pop(param_id), None)
+            del self.refs[param_id]
+        named = [(name, p) for name, p in module.named_parameters() if id(p) not in self.names]
+        taken = set(self.names.values())
+        prefix, k = "", 0
+        while any(prefix + name in taken for name, _ in named):
+            k += 1
+            prefix = f"model{k}."
+        for name, p in named:
+            self.names[id(p)] = prefix + name
+            self.shapes[prefix + name] = p.shape
+            self.refs[id(p)] = weakref.ref(p)
+
+    def _name(self, param: int, size: int) -> str:
+        name = self.names.get(param)
+        if name is None:
+            raise ValueError(f"a parameter with error-feedback residuals ({size} elements) belongs to no model "
+                             "registered on this state, so it has no name to save it under: register its DDP model "
+                             "with ddp_triton.register(ddp_model, state=state) (or call "
+                             "state.name_parameters(ddp_model.module))")
+        return name
+
     # ---- checkpoints ----------------------------------------------------------------------------------------------
 
-    def state_dict(self, group: Any, settings: Dict[str, Any]) -> Dict[str, Any]:
-        """Every residual by parameter name: this rank's first stage, and the whole second stage (collective)."""
-        rank = dist.get_rank(group)
+    def state_dict(self, group: Optional[Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+        """Every residual by parameter name: this rank's first stage, and the whole second stage (collective).
+        ``group`` None: a state not bound yet, which holds only what was loaded into it."""
+        if group is None:
+            rank, world_size = self.loaded_from if self.loaded_from is not None else (None, None)
+        else:
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         first: Dict[str, torch.Tensor] = {}
         second: Dict[str, torch.Tensor] = {}
         for held in list(self.layouts.values()):
             whole = self._whole_second(held, group, rank)
-            for param, part in held.slices():
-                name = self._name(param)
+            for (param, part), size in zip(held.slices(), held.sizes):
+                name = self._name(param, size)
                 first[name] = held.first[part].detach().clone().cpu()
                 second[name] = whole[part].clone().cpu()
         for param, value in self.pending_first.items():
-            first[self._name(param)] = value.detach().clone().cpu()
+            first[self._name(param, value.numel())] = value.detach().clone().cpu()
         for param, value in self.pending_second.items():
-            second[self._name(param)] = value.detach().clone().cpu()
-        return {"version": STATE_DICT_VERSION, **settings, "rank": rank, "world_size": dist.get_world_size(group),
+            second[self._name(param, value.numel())] = value.detach().clone().cpu()
+        return {"version": STATE_DICT_VERSION, **settings, "rank": rank, "world_size": world_size,
                 "first_stage": first, "second_stage": second}
 
+    def all_ranks_state_dict(self, group: Any, settings: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` with every rank's first stage (``first_stage_by_rank``), for a checkpoint that one rank
+        writes (Lightning's, Accelerate's): collective, and the same dict on every rank."""
+        mine = self.state_dict(group, settings)
+        names = sorted(mine["first_stage"])
+        flat = torch.cat([mine["first_stage"][n].view(-1) for n in names]) if names else torch.zeros(0)
+        backend = str(dist.get_backend(group))
+        device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+        world_size = dist.get_world_size(group)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+        dist.all_gather(sizes, torch.tensor([flat.numel()], device=device), group=group)
+        if len({int(t) for t in sizes}) > 1:  # every rank sees the same sizes: all raise together
+            raise ValueError(f"the ranks hold first-stage residuals of different sizes ({[int(t) for t in sizes]}): "
+                             "they train different models")
+        gathered = [torch.empty_like(flat, device=device) for _ in range(world_size)]
+        dist.all_gather(gathered, flat.to(device), group=group)
+        by_rank = []
+        for values in gathered:
+            values, start, part = values.cpu(), 0, {}
+            for n in names:
+                size = mine["first_stage"][n].numel()
+                part[n] = values[start:start + size].clone()
+                start += size
+            by_rank.append(part)
+        return {**{k: v for k, v in mine.items() if k not in ("rank", "first_stage")}, "first_stage_by_rank": by_rank}
+
     def load_state_dict(self, saved: Dict[str, Any], group: Optional[Any], settings: Dict[str, Any]) -> None:
-        """Take the residuals of ``state_dict``: every live layout is dropped and re-slices them at its next bucket."""
-        version = saved.get("version") if isinstance(saved, dict) else None
-        if not isinstance(version, int) or version > STATE_DICT_VERSION:
-            raise ValueError(f"a CommState state_dict in format {version!r}; this ddp-triton reads up to "
-                             f"{STATE_DICT_VERSION}")
-        for key, value in settings.items():
-            if saved.get(key) != value:
-                raise ValueError(f"the saved residuals are for {key}={saved.get(key)!r}, this state has {value!r}")
-        if group is not None:
-            here = (dist.get_rank(group), dist.get_world_size(group))
-            there = (saved.get("rank"), saved.get("world_size"))
-            if here != there:
-                raise ValueError(f"the saved residuals are rank {there[0]} of {there[1]}'s (the first stage is each "
-                                 f"rank's own); this is rank {here[0]} of {here[1]}: load each rank's own file")
+        """Take the residuals of ``state_dict``: every live layout is dropped and re-slices them at its next bucket.
+        Everything is checked first; on a mismatch the store is left as it was. A dict of ``all_ranks_state_dict``
+        gives this rank its own first stage."""
+        if isinstance(saved, dict) and "first_stage_by_rank" in saved:
+            saved = this_ranks_part(saved, group)
+        check_saved(saved, settings, self.shapes, group)
         by_name = {name: param for param, name in self.names.items()}
-        unknown = sorted(set(saved["first_stage"]) - set(by_name))
-        if unknown:
-            raise ValueError(f"the saved residuals name parameters this state does not know: {unknown[:3]}; register "
-                             "the state on the same model (ddp_triton.register) before loading")
         for held in self.layouts.values():
             held.alive = False
         self.layouts.clear()
-        self.pending_first = {by_name[n]: t.float() for n, t in saved["first_stage"].items()}
-        self.pending_second = {by_name[n]: t.float() for n, t in saved["second_stage"].items()}
-
-    def _name(self, param: int) -> str:
-        name = self.names.get(param)
-        if name is None:
-            raise ValueError("the residuals' parameters have no names: build the state with ddp_triton.register(...) "
-                             "or call state.name_parameters(model) before state_dict()")
-        return name
+        self.pending_first = {by_name[n]: t.detach().clone().view(-1) for n, t in saved["first_stage"].items()}
+        self.pending_second = {by_name[n]: t.detach().clone().view(-1) for n, t in saved["second_stage"].items()}
+        self.loaded_from = (saved["rank"], saved["world_size"]) if saved["first_stage"] else None
 
     def held_bytes(self) -> int:
         live = sum(h.first.numel() + h.second.numel() for h in self.layouts.values())
         waiting = sum(t.numel() for t in (*self.pending_first.values(), *self.pending_second.values()))
         return 4 * (live + waiting)
+
+
+def this_ranks_part(saved: Dict[str, Any], group: Optional[Any]) -> Dict[str, Any]:
+    """The ``state_dict`` of this rank inside an ``all_ranks_state_dict``."""
+    if group is None:
+        raise ValueError("a state_dict of every rank's residuals is loaded into a bound state (the rank picks its "
+                         "own): register the state first")
+    by_rank = saved["first_stage_by_rank"]
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if not isinstance(by_rank, list) or len(by_rank) != world_size or saved.get("world_size") != world_size:
+        count = len(by_rank) if isinstance(by_rank, list) else by_rank
+        raise ValueError(f"the saved residuals are of {saved.get('world_size')!r} ranks ({count!r} first stages); "
+                         f"this state runs on {world_size}")
+    own = {k: v for k, v in saved.items() if k != "first_stage_by_rank"}
+    return {**own, "rank": rank, "first_stage": by_rank[rank]}
+
+
+def check_saved(saved: Any, settings: Dict[str, Any], shapes: Dict[str, torch.Size], group: Optional[Any]) -> None:
+    """Raise one ValueError naming what does not match between ``saved`` (a ``state_dict``) and this state: the
+    format, the rank and world size, the parameter names, each residual's element count and dtype."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"a CommState state_dict is a dict, got {type(saved).__name__}")
+    version = saved.get("version")
+    if not isinstance(version, int) or version > STATE_DICT_VERSION:
+        raise ValueError(f"a CommState state_dict in format {version!r}; this ddp-triton reads up to "
+                         f"{STATE_DICT_VERSION}")
+    missing = [key for key in ("rank", "world_size", "first_stage", "second_stage", *settings) if key not in saved]
+    if missing:
+        raise ValueError(f"this is not a CommState state_dict: it has no {', '.join(missing)}")
+    for key, value in settings.items():
+        if saved[key] != value:
+            raise ValueError(f"the saved residuals are for {key}={saved[key]!r}, this state has {value!r}")
+    for stage in ("first_stage", "second_stage"):
+        if not isinstance(saved[stage], dict):
+            raise ValueError(f"the saved {stage} is a {type(saved[stage]).__name__}, not a dict of tensors by "
+                             "parameter name")
+    there = (saved["rank"], saved["world_size"])
+    if there == (None, None):
+        if saved["first_stage"] or saved["second_stage"]:
+            raise ValueError("the saved residuals name no rank and world size, yet hold residuals")
+    elif group is not None:
+        here = (dist.get_rank(group), dist.get_world_size(group))
+        if here != there:
+            raise ValueError(f"the saved residuals are rank {there[0]} of {there[1]}'s (the first stage is each "
+                             f"rank's own); this is rank {here[0]} of {here[1]}: load each rank's own file")
+    for stage in ("first_stage", "second_stage"):
+        for name, value in saved[stage].items():
+            shape = shapes.get(name)
+            if shape is None:
+                known = ", ".join(sorted(shapes)[:3]) or "none: register the state on its model first"
+                raise ValueError(f"the saved {stage} residuals name a parameter {name!r} that this state's models do "
+                                 f"not have (it knows {known}, ...)")
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"the saved {stage} residual of {name} is a {type(value).__name__}, not a tensor")
+            if value.dtype != torch.float32:
+                raise ValueError(f"the saved {stage} residual of {name} is {value.dtype}; residuals are float32")
+            if value.numel() != shape.numel():
+                raise ValueError(f"the saved {stage} residual of {name} has {value.numel()} elements; the parameter "
+                                 f"has {shape.numel()} (shape {tuple(shape)})")

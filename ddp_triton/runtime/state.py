@@ -20,7 +20,7 @@ import contextlib
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -30,8 +30,8 @@ from .. import kernels
 from ..dtypes import comm_dtypes
 from ..log import logger
 from ..versions import nccl_version
-from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, make_algorithm_groups,
-                          select_group)
+from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, fail_together,
+                          make_algorithm_groups, select_group)
 from .exchange import ExchangeQueue, block_fp8_exchange, float32_sum_exchange
 from .grad_stats import found_inf as _found_inf, grad_norm as _grad_norm, new_stats, pass_entries
 from .profile_choice import check_profile_spec, resolve_profile
@@ -152,10 +152,9 @@ class CommState:
     """The Profile this state follows, resolved from ``profile`` when the state binds; None: NCCL chooses."""
 
     def __post_init__(self) -> None:
-        self.wire: WireFormat = resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback)
+        self.wire: WireFormat = check_options({name: getattr(self, name) for name in STATE_OPTIONS})
         self.residuals = ResidualStore()
         self.exchanges = ExchangeQueue()
-        check_profile_spec(self.profile)
         self._needs_group = False
         self._passes = 0
         self._attached = False
@@ -206,6 +205,11 @@ class CommState:
         # "nccl", or a mixed "cpu:gloo,cuda:nccl"; CUDA buckets then go through NCCL.
         self.backend = "nccl" if "nccl" in backend else backend
         self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
+        loaded = self.residuals.loaded_from
+        here = (dist.get_rank(group), self.world_size)
+        fail_together(None if loaded is None or loaded == here else
+                      f"the residuals loaded into this state are rank {loaded[0]} of {loaded[1]}'s; it binds as rank "
+                      f"{here[0]} of {here[1]}: load each rank's own file", group)
         self.active_profile = self._setup_profile(self.profile)
         self._attached = True
 
@@ -403,8 +407,9 @@ class CommState:
     # ---- error-feedback residuals -------------------------------------------------------------------------------
 
     def name_parameters(self, module: torch.nn.Module) -> None:
-        """Name the residuals' parameters after ``module``'s (``register`` does this with the DDP model's)."""
-        self.residuals.names = {id(p): name for name, p in module.named_parameters()}
+        """Name the residuals' parameters after ``module``'s (``register`` and ``reattach`` do this with the DDP
+        model's). A state shared by several models names each one's (``ResidualStore.name_parameters``)."""
+        self.residuals.name_parameters(module)
 
     def _residual_settings(self) -> Dict[str, Any]:
         return {"wire_format": self.wire.name}
@@ -412,18 +417,60 @@ class CommState:
     def state_dict(self) -> Dict[str, Any]:
         """The error-feedback residuals by parameter name (empty without error feedback), to save with the model
         and optimizer. Collective: call on every rank; each rank's dict holds its own first-stage residuals, so
-        save one per rank (as a sharded optimizer's)."""
+        save one per rank (as a sharded optimizer's). A state not bound yet gives what was loaded into it."""
         if not self._attached:
-            return {"version": 1, **self._residual_settings(), "rank": None, "world_size": None,
-                    "first_stage": {}, "second_stage": {}}
+            return self.residuals.state_dict(None, self._residual_settings())
         with self.exchanges.ordered():
             return self.residuals.state_dict(self.group, self._residual_settings())
 
+    def all_ranks_state_dict(self) -> Dict[str, Any]:
+        """``state_dict`` with every rank's first-stage residuals, the same dict on every rank: for checkpoints that
+        one rank writes (Lightning's, Accelerate's). Collective; ``load_state_dict`` takes it on every rank."""
+        if not self._attached:
+            raise ValueError("all_ranks_state_dict needs a bound state (it gathers from every rank)")
+        with self.exchanges.ordered():
+            return self.residuals.all_ranks_state_dict(self.group, self._residual_settings())
+
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on this rank; the next buckets re-slice the residuals to their
-        layout (a fresh DDP model's constructor order included)."""
+        layout (a fresh DDP model's constructor order included). Checks everything first (format, rank and world
+        size, names, sizes, dtype) and raises one ValueError naming the mismatch, leaving the state as it was; a
+        state not bound yet checks the rank and world size when it binds."""
         self.residuals.load_state_dict(saved, self.group if self._attached else None, self._residual_settings())
         self.buckets.clear()
+
+
+#: The options a CommState takes: its fields that are constructor arguments.
+STATE_OPTIONS = tuple(f.name for f in fields(CommState) if f.init)
+
+
+def check_options(options: Dict[str, Any]) -> WireFormat:
+    """Check CommState options without building a state (which may bind: collectives), and give their WireFormat.
+
+    The one check of what a combination means, for ``CommState`` and for the integrations that take its options
+    where a framework is configured: unknown names are a TypeError, bad values a ValueError (a TypeError for a
+    ``profile`` or ``process_group`` of the wrong kind), each naming the option and the value.
+    """
+    unknown = sorted(set(options) - set(STATE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown CommState options {unknown}; it takes {sorted(STATE_OPTIONS)}")
+    defaults = {f.name: f.default for f in fields(CommState) if f.init}
+    given = {**defaults, **options}
+    wire = resolve_wire_format(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"])
+    check_profile_spec(given["profile"])
+    for flag in ("grad_stats", "timing"):
+        if not isinstance(given[flag], bool):
+            raise ValueError(f"{flag} must be True or False, got {given[flag]!r}")
+    device = given["device"]
+    if device is not None and not isinstance(device, torch.device):
+        raise ValueError(f"device must be None or a torch.device, got {device!r}")
+    group = given["process_group"]
+    # new_group gives ranks outside the group NON_GROUP_MEMBER, which binding refuses, naming the rank
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and not isinstance(group,
+                                                                                               dist.ProcessGroup):
+        raise TypeError(f"process_group must be None or a torch.distributed ProcessGroup, got "
+                        f"{type(group).__name__}")
+    return wire
 
 
 def _describe_spec(spec: ProfileSpec) -> str:

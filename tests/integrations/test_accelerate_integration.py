@@ -98,6 +98,14 @@ def _worker(rank, world_size):
     with pytest.raises(ValueError, match="pass the model accelerator.prepare returned"):
         register(accelerator, make_model())
 
+    # FP8 with error feedback, as CommState takes it: trains, with residuals to save.
+    fp8_model, fp8_opt, fp8_loader = prepared(accelerator)
+    with pytest.warns(UserWarning, match="ignored by Accelerate"):
+        fp8 = register(accelerator, fp8_model, comm_dtype=torch.float8_e5m2)
+    assert fp8.wire.name == "fp8e5m2+ef"
+    assert train(accelerator, fp8_model, fp8_opt, fp8_loader) == plain_steps
+    assert fp8.state_dict()["first_stage"]
+
 
 def test_register_after_prepare_fp32_matches_no_hook_with_accumulation_and_clipping():
     with scoped_env({"TRITON_INTERPRET": "0"}):  # the kernels' torch CPU path, as in CPU production
@@ -118,3 +126,7 @@ def test_a_single_process_launch_has_no_ddp_wrapper():
         register(accelerator, model)
     with pytest.raises(ValueError, match="comm_dtype"):  # the options are checked before the launch is
         register(accelerator, model, comm_dtype=torch.float64)
+    with pytest.raises(ValueError, match="error_feedback applies to FP8"):
+        register(accelerator, model, comm_dtype=torch.bfloat16, error_feedback=True)
+    with pytest.raises(ValueError, match="single-process launch"):  # FP8 is an option CommState takes
+        register(accelerator, model, comm_dtype=torch.float8_e5m2)

@@ -63,14 +63,14 @@ def _loader():
     return DataLoader(data, batch_size=BATCH, shuffle=False)
 
 
-def _fit(strategy=None, callbacks=(), devices=WORLD):
+def _fit(strategy=None, callbacks=(), devices=WORLD, max_epochs=1, ckpt_path=None):
     """One fit of a fresh model from the same seed; the trained module and the Trainer."""
     module = _module_class()()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy or pl.strategies.DDPStrategy(),
-                         callbacks=list(callbacks), max_epochs=1, accumulate_grad_batches=ACCUMULATE,
+                         callbacks=list(callbacks), max_epochs=max_epochs, accumulate_grad_batches=ACCUMULATE,
                          gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, _loader())
+    trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     return module, trainer
 
 
@@ -125,6 +125,44 @@ def _callback_worker(rank, world_size):
 
 def test_callback_fp32_matches_no_hook_with_accumulation_and_clipping():
     lightning_workers(_callback_worker)
+
+
+def _resume_worker(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    from ddp_triton.integrations.lightning import TritonHook
+
+    _as_rank(rank)
+    init_gloo(rank, world_size)
+    fp8 = dict(comm_dtype=torch.float8_e4m3fn)  # error feedback on by default
+    unbroken, _ = _fit(callbacks=[TritonHook(**fp8)], max_epochs=2)
+
+    stopped, trainer = _fit(callbacks=[TritonHook(**fp8)], max_epochs=1)
+    path = os.path.join(tmp, "epoch1.ckpt")
+    trainer.save_checkpoint(path)  # every rank builds the checkpoint (the residuals' gather), rank 0 writes it
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    (residuals,) = [v["residuals"] for k, v in saved.items() if "TritonHook" in k]
+    assert len(residuals["first_stage_by_rank"]) == WORLD
+    assert not torch.equal(*(torch.cat(list(r.values())) for r in residuals["first_stage_by_rank"])), \
+        "each rank's own first stage"
+
+    hook = TritonHook(**fp8)
+    resumed, _ = _fit(callbacks=[hook], max_epochs=2, ckpt_path=path)
+    for (name, p), q in zip(resumed.named_parameters(), unbroken.parameters()):
+        assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32)), f"{name} differs"
+
+    # Resumed without the residuals, the run is another one: what the checkpoint's residuals are for.
+    if rank == 0:
+        checkpoint = torch.load(path, weights_only=True)
+        del checkpoint["callbacks"]
+        torch.save(checkpoint, path + ".bare")
+    dist.barrier()
+    bare, _ = _fit(callbacks=[TritonHook(**fp8)], max_epochs=2, ckpt_path=path + ".bare")
+    assert any(not torch.equal(p, q) for p, q in zip(bare.parameters(), unbroken.parameters()))
+
+
+def test_fp8_residuals_resume_from_a_lightning_checkpoint_bit_identically(tmp_path):
+    lightning_workers(_resume_worker, str(tmp_path))
 
 
 class _HookAsOnCuda:
@@ -201,6 +239,16 @@ def test_callback_checks_its_options_where_it_is_built():
 
     with pytest.raises(ValueError, match="comm_dtype"):
         TritonHook(comm_dtype=torch.float64)
+    # exactly what CommState takes, checked by the same function
+    TritonHook(comm_dtype=torch.float8_e4m3fn)
+    TritonHook(comm_dtype=torch.float8_e5m2, error_feedback=False, grad_stats=True)
+    TritonHook(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
+    with pytest.raises(ValueError, match="error_feedback applies to FP8"):
+        TritonHook(comm_dtype=torch.bfloat16, error_feedback=True)
+    with pytest.raises(ValueError, match="accumulate_dtype must be"):
+        TritonHook(comm_dtype=torch.float8_e4m3fn, accumulate_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad_stats must be True or False, got 'no'"):
+        TritonHook(grad_stats="no")
     with pytest.raises(TypeError, match="unknown CommState options"):
         TritonHook(bucket_cap_mb=25)
     hook = TritonHook(comm_dtype=torch.float16, profile=None)
