@@ -362,3 +362,24 @@ def test_grad_stats_over_nccl(nccl_world_of_one, comm_dtype):
     summary = state.summary()
     assert summary.clock == "cuda events"
     assert all(b.pack_ms is not None and b.comm_ms >= 0 and b.unpack_ms >= 0 for b in summary.buckets)
+
+
+@pytest.mark.gpu
+def test_clip_after_grad_scaler_unscale_over_nccl(nccl_world_of_one):
+    """The AMP pattern on CUDA: scaled backward, unscale_, the state's clip given the scaler, against torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True, bucket_cap_mb=0.01)
+    state = ddp_triton.register(ddp, profile=None, grad_stats=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(3):
+        ddp.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = ddp(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        check_clip_via_state(ddp, state, 0.01, scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
