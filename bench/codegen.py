@@ -63,7 +63,7 @@ from ddp_triton.kernels import INTERPRETER, triton_version  # noqa: E402
 from ddp_triton.kernels.dtypes import BITS_DTYPE, OUT_KIND  # noqa: E402
 from ddp_triton.kernels.launch import kernel_arguments  # noqa: E402
 from ddp_triton.kernels.worklist import build_plan  # noqa: E402
-from ddp_triton.runtime.state import split_average  # noqa: E402
+from ddp_triton.runtime.bucket import split_average  # noqa: E402
 
 MiB = 1 << 20
 WORLD = 8  # the world size behind the scales; only whether a scale is 1.0 changes the code

@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
@@ -155,10 +156,11 @@ def hook_front_end() -> Callable[[], Any]:
 
     state = CommState(profile=None)  # bfloat16 on the wire: a pack kernel per bucket
     buffer = torch.randn(1 << 16)
-    entry = state.bucket_comm(buffer)
+    bucket = SimpleNamespace(buffer=lambda: buffer, index=lambda: 0)  # what the hook reads of DDP's GradBucket
+    entry = state.bucket_comm(bucket)
     stub_bound(entry.pack)
     stub_bound(entry.unpack)
-    return lambda: state.bucket_comm(buffer).pack()
+    return lambda: state.bucket_comm(bucket).pack()
 
 
 def measure(rows: List[Tuple[str, str, Callable[[], Any], int]], rounds: int, scale_calls: float) -> Dict[str, float]:

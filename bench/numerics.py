@@ -69,7 +69,7 @@ from bench.common import environment, format_table  # noqa: E402
 from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
-from ddp_triton.runtime.state import split_average  # noqa: E402
+from ddp_triton.runtime.bucket import split_average  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -176,16 +176,20 @@ def unpack(
     layout(tensors, flat, stats)
 
 
-def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> Callable[[], None]:
+def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, *,
+              canonical_nan: bool = True) -> Callable[[], None]:
     """Check and plan :func:`pack` once; the returned callable repeats it for the same tensors with little host work.
 
-    The callable keeps references to the tensors. Rebind when any tensor is reallocated.
+    The callable keeps references to the tensors. Rebind when any tensor is reallocated. ``canonical_nan=False``
+    lets the torch path (CPU tensors) skip the pass that makes NaNs canonical, for an ``out`` whose NaNs only flow
+    into a sum (a wire buffer): a NaN then keeps the bits torch's conversion gives it. The kernel always writes them
+    canonical, at no cost.
     """
     tensors, scale, nothing = _check_pack(tensors, out, scale)
     if nothing:
         return lambda: None
     if not uses_triton(out.device):
-        return lambda: torch_path.pack(tensors, out, scale)
+        return torch_path.bind_pack(tensors, out, scale, canonical_nan)
     plan = PLANS.get(tensors, out, many_is_source=True)
     args = kernel_arguments(plan, tensors[plan.many_base], out.view(BITS_DTYPE[out.dtype]), scale,
                             OUT_KIND[out.dtype], None)
@@ -204,7 +208,7 @@ def bind_unpack(
     if nothing:
         return stats.zero_ if stats is not None else (lambda: None)
     if not uses_triton(flat.device):
-        return lambda: torch_path.unpack(flat, tensors, scale, stats)
+        return torch_path.bind_unpack(flat, tensors, scale, stats)
     plan = PLANS.get(tensors, flat, many_is_source=False)
     base = tensors[plan.many_base]
     dst = base.view(BITS_DTYPE[base.dtype])

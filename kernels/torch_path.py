@@ -8,7 +8,8 @@ rewritten to the kernel's canonical quiet NaN.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -16,18 +17,35 @@ from .convert import NAN_BITS
 from .dtypes import BITS_DTYPE, OUT_KIND
 
 
-def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    """dst <- round(src * scale) with one rounding; NaNs canonical. Both 1-D, same length."""
+def _converter(dst: torch.Tensor, src: torch.Tensor, scale: float, canonical_nan: bool = True) -> Callable[[], None]:
+    """A call doing dst <- round(src * scale) with one rounding (NaNs canonical unless told not to). Both 1-D, same
+    length; the views are made once, here."""
     if scale == 1.0:
-        dst.copy_(src)
+        def convert() -> None:
+            dst.copy_(src)
     else:
         # float32 product, rounded once when stored into dst (a 16-bit src would round its product to its own
         # dtype first, so it is widened before the multiply)
-        torch.mul(src if src.dtype == torch.float32 else src.float(), scale, out=dst)
-    # A NaN anywhere makes the sum NaN; the sum is one cheap pass, the exact search runs only when it fires.
-    if bool(torch.isnan(dst.sum())):
-        nan = torch.isnan(dst)
-        dst.view(BITS_DTYPE[dst.dtype])[nan] = NAN_BITS[OUT_KIND[dst.dtype]]
+        wide = src if src.dtype == torch.float32 else None
+
+        def convert() -> None:
+            torch.mul(wide if wide is not None else src.float(), scale, out=dst)
+    if not canonical_nan:
+        return convert
+    bits, nan_bits = dst.view(BITS_DTYPE[dst.dtype]), NAN_BITS[OUT_KIND[dst.dtype]]
+
+    def convert_canonical() -> None:
+        convert()
+        # A NaN anywhere makes the sum NaN: one read of dst, and the exact search only when it fires.
+        if math.isnan(dst.sum().item()):
+            bits[torch.isnan(dst)] = nan_bits
+
+    return convert_canonical
+
+
+def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """dst <- round(src * scale) with one rounding; NaNs canonical. Both 1-D, same length."""
+    _converter(dst, src, scale)()
 
 
 def _accumulate_stats(stats: torch.Tensor, values: torch.Tensor) -> None:
@@ -59,3 +77,54 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, st
             if stats is not None:
                 _accumulate_stats(stats, dst)
         position += n
+
+
+def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float,
+              canonical_nan: bool = True) -> Callable[[], None]:
+    """:func:`pack` of these tensors, its views and branches decided once (the hook repeats it every step)."""
+    return _in_turn(_steps([(out[p:p + t.numel()], t.reshape(-1)) for t, p in _positions(tensors)], scale,
+                           canonical_nan))
+
+
+def bind_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float,
+                stats: Optional[torch.Tensor]) -> Callable[[], None]:
+    """:func:`unpack` into these tensors, its views and branches decided once."""
+    pairs = [(t.view(-1), flat[p:p + t.numel()]) for t, p in _positions(tensors)]
+    steps = _steps(pairs, scale, True)
+    if stats is None:
+        return _in_turn(steps)
+    written = [dst for dst, _ in pairs]
+
+    def with_stats() -> None:
+        stats.zero_()
+        for step, dst in zip(steps, written):
+            step()
+            _accumulate_stats(stats, dst)
+
+    return with_stats
+
+
+def _positions(tensors: Sequence[torch.Tensor]) -> List[tuple]:
+    """(tensor, its offset in the flat buffer) of every non-empty tensor."""
+    out, position = [], 0
+    for t in tensors:
+        if t.numel():
+            out.append((t, position))
+        position += t.numel()
+    return out
+
+
+def _steps(pairs: List[tuple], scale: float, canonical_nan: bool) -> List[Callable[[], None]]:
+    return [_converter(dst, src, scale, canonical_nan) for dst, src in pairs]
+
+
+def _in_turn(steps: List[Callable[[], None]]) -> Callable[[], None]:
+    """One call running ``steps`` in order (the step itself when there is one)."""
+    if len(steps) == 1:
+        return steps[0]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run

@@ -63,6 +63,23 @@ def test_host_benchmark_smoke():
     assert data["torch_op_us"] > 0 and data["env"]["torch"] == torch.__version__
 
 
+def test_hook_cost_benchmark_smoke():
+    import torch
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-m", "bench.hook_cost", "--json", "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(out.stdout)
+    keys = [f"{k}_us" for k in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "triton_fp32",
+                                "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8")]
+    for key in keys + ["fp32_ratio", "fp16_ratio", "bf16_ratio"]:
+        assert isinstance(data[key], float) and math.isfinite(data[key]), key
+    assert data["buckets"] == data["requested_buckets"]  # one bucket per layer, counted in a backward
+    assert data["rounds"] >= 1 and data["steps_per_round"] >= 1
+    assert data["torch"] == torch.__version__ and data["triton"] and data["date"] and data["machine"]["cpu"]
+
+
 # ---- wire formats: numerics (one process) and training quality (gloo ranks), run in this process to keep them fast --
 
 

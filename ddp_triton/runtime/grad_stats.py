@@ -14,8 +14,9 @@ kernels write them everywhere). Giving NCCL's AVG up instead would add a pack (a
 1/N before a sum) to the same unpack: twice the memory traffic for the same numbers, since NCCL computes a float
 AVG as a pre-multiplied sum.
 
-**Other bucket paths** (other wire formats) plug in by giving their BucketComm ``stats=new_stats(buffer)`` when
-``state.grad_stats`` is on and having their own unpack overwrite it; the sum runs over the buckets of the pass.
+**Other bucket paths** (other wire formats) plug in by giving their BucketComm (``bucket.py``)
+``stats=new_stats(buffer)`` when ``grad_stats`` is on and having their own unpack overwrite it; the sum runs over
+the buckets of the pass.
 
 **Which pass.** The buckets the hook saw in the state's latest backward pass (``BucketComm.last_used``), all of
 DDP's buckets, so unused parameters (zeros in their bucket under ``find_unused_parameters``) count as zeros, and
@@ -164,14 +165,11 @@ class BucketCoverage:
         return noted is not None and noted[0]() is grad and grad._version == noted[1]
 
 
-def note_bucket(state: Any, comm: Any, bucket: Any) -> None:
-    """The hook's per-bucket step with ``grad_stats``: learn the bucket's parameters once, note what DDP's copy
-    will change, and at the pass's last bucket arrange for the pass's end to be noted after DDP's."""
-    coverage = comm.coverage
-    if coverage is None:
-        coverage = comm.coverage = BucketCoverage(list(bucket.parameters()), comm.buffer)
-    coverage.note_before()
-    if bucket.is_last():
+def note_bucket(state: Any, comm: Any, last: bool) -> None:
+    """The hook's per-bucket step with ``grad_stats``: note what DDP's copy will change, and at the pass's ``last``
+    bucket arrange for the pass's end to be noted after DDP's."""
+    comm.coverage.note_before()
+    if last:
         _after_ddp(lambda: _note_pass_end(state, comm.last_used))
 
 

@@ -17,15 +17,16 @@ place with plain torch ops and a functional all-reduce, to the same bits (see ``
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations with
 # dist.GradBucket and torch.futures.Future[torch.Tensor] as objects, and string annotations fail that check.
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..kernels import SUPPORTED_DTYPES
+from .bucket import split_average
 from .grad_stats import mark_per_parameter, note_bucket
-from .state import CommState, default_state, split_average
-from .telemetry import count_issued, watch as watch_bucket
+from .state import CommState, default_state
+from .telemetry import watch as watch_bucket
 
 
 def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -33,52 +34,23 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
 
     ``state`` is a CommState, or, as with torch's own hooks, None (the default group) or a process group.
     ``bucket`` may also be the ``(grad, param)`` pair DDP's Python reducer passes (see ``average_grad``).
+    Everything but the pass count, the statistics' note and the profiler check was decided when the bucket bound
+    (``bucket.py``).
     """
     if isinstance(bucket, tuple):
         return average_grad(state, bucket[0])
     if not isinstance(state, CommState):
         state = default_state(state)
-    buffer = bucket.buffer()
-    comm = state.bucket_comm(buffer, bucket)
-    if bucket.is_last():
-        state.end_of_backward()
+    comm = state.bucket_comm(bucket)
+    last = bucket.is_last()
+    if last:
+        state.count_pass()
     if state.grad_stats:
-        note_bucket(state, comm, bucket)  # which gradients the pass's statistics cover (grad_stats.py)
-    if comm.exchange is not None:  # summed in float32: all-to-all, sum, all-gather (exchange.py)
-        count_issued(comm, bucket, comm.exchange.send, state.wire.name)  # the bucket as it travels
-        return state.exchanges.start(comm.exchange, bucket.is_last(), watch_bucket(state, comm, bucket))
-    watch = watch_bucket(state, comm, bucket)  # None unless a profiler records or state.timing (telemetry.py)
+        note_bucket(state, comm, last)  # which gradients the pass's statistics cover (grad_stats.py)
+    watch = watch_bucket(state.timing, comm)  # None unless a profiler records or state.timing (telemetry.py)
     if watch is None:
-        comm.pack()
-        work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
-        unpack = comm.unpack
-    else:
-        with watch.phase("pack"):
-            comm.pack()
-        with watch.phase("all_reduce"):
-            work = dist.all_reduce(comm.comm, op=comm.op, group=comm.group, async_op=True)
-        unpack = watch.unpack(comm.unpack)
-    count_issued(comm, bucket, comm.comm)
-    return then_unpack(work.get_future(), unpack, buffer)
-
-
-def then_unpack(
-    reduced: torch.futures.Future, unpack: Callable[[], None], buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """A future of ``buffer`` that completes once ``reduced`` has and ``unpack`` has run, or fails with its error.
-
-    ``Future.then`` runs its callback even when the future failed; reading the value re-raises the collective's
-    error, so a failed all-reduce (a dead peer, a timeout) fails the backward on this rank instead of unpacking
-    the un-reduced buffer and training on with local gradients.
-    """
-
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # raises if the all-reduce failed
-        # On CUDA this runs on a stream ordered after the all-reduce.
-        unpack()
-        return buffer
-
-    return reduced.then(finish)
+        return comm.start(last)
+    return comm.start_watched(last, watch)
 
 
 def average_grad(state: Any, grad: torch.Tensor) -> Any:

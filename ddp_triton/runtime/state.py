@@ -1,10 +1,11 @@
 """CommState: what triton_hook needs across steps, built once per DDP model.
 
-It holds the process group, the dtype on the wire, how the division by world size is split around the all-reduce,
-the autotuned per-size choice of NCCL algorithm (one process group per algorithm) and, per bucket, the
-communication buffer and the bound pack/unpack launches. Memory held: one comm-dtype copy of each bucket (half the
-gradients' bytes for float32 gradients sent as bfloat16), nothing when the comm dtype equals the bucket dtype,
-which is sent in place.
+It holds the process group, the wire format, how the division by world size is split around the sum, the
+autotuned per-size choice of NCCL algorithm (one process group per algorithm), the error-feedback residuals and,
+per bucket, its bound path (``bucket.py``). Memory held: one comm-dtype copy of each bucket (half the gradients'
+bytes for float32 gradients sent as bfloat16), nothing when the comm dtype equals the bucket dtype, which is sent
+in place; the sharded exchanges' send, receive and shard buffers instead for the formats summed in float32, and
+the FP8 residuals (``held_bytes``).
 
 A state pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its settings alone, the way torch's
 PowerSGDState does: the process group, the resolved profile, the algorithm groups, buffers and launches stay behind,
@@ -18,87 +19,30 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .. import kernels
 from ..dtypes import comm_dtypes
 from ..log import logger
 from ..versions import nccl_version
 from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, fail_together,
                           make_algorithm_groups, select_group)
-from .exchange import ExchangeQueue, block_fp8_exchange, float32_sum_exchange
-from .grad_stats import found_inf as _found_inf, grad_norm as _grad_norm, new_stats, pass_entries
+from .bucket import BucketComm, bind_bucket, split_average
+from .exchange import ExchangeQueue
+from .grad_stats import found_inf as _found_inf, grad_norm as _grad_norm, pass_entries
 from .profile_choice import check_profile_spec, resolve_profile
-from .residuals import LayoutResiduals, ResidualStore
-from .telemetry import BucketRecord, Summary, summarize
+from .residuals import ResidualStore
+from .telemetry import Summary, summarize
 from .wire import WireFormat, resolve_wire_format
 
 #: The dtypes the hook can all-reduce in (``ddp_triton.dtypes.COMM_DTYPE_NAMES``), as torch dtypes.
 COMM_DTYPES = comm_dtypes()
 
 ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Profile, or None
-
-
-def split_average(world_size: int, comm_dtype: torch.dtype) -> Tuple[float, float]:
-    """(pre, post) factors with pre * post == 1 / world_size, applied before and after the all-reduce sum.
-
-    bfloat16 and float32 have float32's exponent range, so all of the division goes before the all-reduce, in
-    float32 before the single rounding: nothing can overflow in the sum. float16 tops out at 65504 and loses
-    precision below 6e-5: dividing by the whole world size first would push small gradients into subnormals, not
-    dividing would let a sum over many ranks overflow. So float16 splits the factor around the sum, as a power of
-    two near 1/sqrt(N) before it: the sum grows at most about sqrt(N) times and gradients shrink only about sqrt(N)
-    times before the wire (32x each at N = 1024), and a power of two scales exactly, so at a power-of-two world size
-    both factors are exact and the result is what ``fp16_compress_hook`` gives (0.25 stays 0.25).
-    """
-    if comm_dtype == torch.float16:
-        pre = 2.0 ** -round(math.log2(world_size) / 2)
-        return pre, 1.0 / (world_size * pre)
-    return 1.0 / world_size, 1.0
-
-
-def collective_averages(backend: str, on_cuda: bool, comm_dtype: torch.dtype, bucket_dtype: torch.dtype,
-                        algorithm: Optional[str]) -> bool:
-    """Whether a bucket can be averaged by the collective itself (NCCL's AVG), with no kernel on either side.
-
-    Only when it travels in its own dtype through NCCL on CUDA, not in float16 (whose division is split around
-    the sum), and not over NVLS: NCCL implements a float AVG as a pre-multiplied sum, which NVLS does not run.
-    """
-    nvls = algorithm is not None and algorithm.startswith("nvls")
-    return (backend == "nccl" and on_cuda and comm_dtype == bucket_dtype and comm_dtype != torch.float16
-            and not nvls)
-
-
-@dataclass
-class BucketComm:
-    """One bucket's buffers and launches, valid while DDP's bucket buffer stays the same memory."""
-
-    signature: Tuple[int, int, torch.dtype]
-    buffer: torch.Tensor
-    comm: torch.Tensor
-    pack: Callable[[], None]
-    unpack: Callable[[], None]
-    group: Any
-    op: Any
-    algorithm: Optional[str]
-    last_used: int = 0
-    """The state's backward-pass count when this entry was last used (stale entries are dropped)."""
-    exchange: Any = None
-    """For wire formats summed in float32: the ShardedExchange that replaces the all-reduce."""
-    residuals: Optional[LayoutResiduals] = None
-    """For FP8 with error feedback: this bucket layout's residuals."""
-    stats: Optional[torch.Tensor] = None
-    """With ``grad_stats``: float32 (2,) that this bucket's unpack overwrites with [sum of squares, non-finite count]
-    of the averaged gradients it stores (``grad_stats.py``); a bucket path of its own fills it the same way."""
-    record: BucketRecord = field(default_factory=BucketRecord, repr=False)
-    """Telemetry: bytes handed to each collective issued for this bucket, timings (``telemetry.py``)."""
-    coverage: Any = field(default=None, repr=False)
-    """With ``grad_stats``: the bucket's parameters and what their gradients were at the pass's end."""
 
 
 # Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
@@ -144,8 +88,8 @@ class CommState:
     timing: bool = False
     """Time each bucket's pack, communication and unpack (CUDA events on CUDA tensors, read back only by
     ``summary()``; the host's perf_counter on CPU tensors), see ``telemetry.py``."""
-    buckets: Dict[tuple, BucketComm] = field(default_factory=dict, init=False, repr=False)
-    """Per DDP bucket buffer (address, size, dtype): its communication buffer and bound launches."""
+    buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
+    """Per DDP bucket buffer (by its Python object's identity): its bound path (``bucket.py``)."""
     algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     """Algorithm -> the process group whose NCCL communicator runs it, for the algorithms ``active_profile`` uses."""
     active_profile: Any = field(default=None, init=False, repr=False)
@@ -294,82 +238,37 @@ class CommState:
             return _UnusableProfile(exc)
         return None
 
-    def bucket_comm(self, buffer: torch.Tensor, bucket: Any = None) -> BucketComm:
-        """This bucket's buffers and launches: made when a bucket buffer is first seen, reused while it lives.
-
-        The entry holds the bucket buffer, so no other bucket (DDP's rebuilt ones included, whose parameters and so
-        FP8 blocks may differ) can be allocated at its address while the entry lives: the address identifies it."""
-        if buffer.layout != torch.strided:
-            raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
-        signature = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
-        entry = self.buckets.get(signature)
-        if entry is not None and entry.residuals is not None and not entry.residuals.alive:
-            entry = None  # its residuals moved to another layout: bind again, taking them back
-        if entry is None:
+    def bucket_comm(self, bucket: Any) -> BucketComm:
+        """This bucket's bound path: made when its buffer is first seen, reused while it lives (and counted in the
+        current pass). Keyed by the buffer's Python object, which the entry holds: torch keeps one Python object per
+        tensor while a reference lives, so no other buffer can have its identity meanwhile."""
+        buffer = bucket.buffer()
+        entry = self.buckets.get(id(buffer))
+        if entry is None or not entry.valid:  # new, or its residuals moved to another layout: bind (again)
             # Binding may issue collectives (a lazy state's agreement, the residuals' re-slice): in the one order.
             with self.exchanges.ordered():
-                entry = self.buckets[signature] = self._bind(signature, buffer, bucket)
+                entry = self.buckets[id(buffer)] = self._bind(buffer, bucket)
         entry.last_used = self._passes
         return entry
 
-    def end_of_backward(self) -> None:
-        """Called at each backward's last bucket: count the pass and, now and then, drop entries gone stale."""
+    def count_pass(self) -> None:
+        """Called when the hook starts a backward's last bucket: count the pass and, now and then, drop entries gone
+        stale."""
         self._passes += 1
         if self._passes % _STALE_AFTER == 0:
             oldest = self._passes - _STALE_AFTER
-            for signature in [k for k, e in self.buckets.items() if e.last_used < oldest]:
-                del self.buckets[signature]
+            for key in [k for k, e in self.buckets.items() if e.last_used < oldest]:
+                del self.buckets[key]
 
-    def _bind(self, signature, buffer: torch.Tensor, bucket: Any = None) -> BucketComm:
-        if buffer.dtype not in kernels.SUPPORTED_DTYPES:
-            raise TypeError(
-                f"triton_hook got a bucket of dtype {buffer.dtype}; supported are float32, bfloat16 and float16"
-            )
+    def _bind(self, buffer: torch.Tensor, bucket: Any) -> BucketComm:
         if not self._attached:  # built before init_process_group, or restored: binds here, off the per-step path
             if self.device is None and buffer.is_cuda:
                 self.device = buffer.device
             self._attach()
-        if self.wire.sharded:
-            return self._bind_sharded(signature, buffer, bucket)
-        group, algorithm = self._group_for(buffer.numel() * self.comm_dtype.itemsize)
-        in_place = self.comm_dtype == buffer.dtype
-        stats = new_stats(buffer) if self.grad_stats else None
-        if collective_averages(self.backend, buffer.is_cuda, self.comm_dtype, buffer.dtype, algorithm):
-            # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
-            # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
-            unpack = _nothing if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
-            return BucketComm(signature, buffer, buffer, _nothing, unpack, group, dist.ReduceOp.AVG, algorithm,
-                              stats=stats)
-        comm = buffer if in_place else torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
-        pack = kernels.bind_pack([buffer], comm, self.pre_scale)
-        # In place at scale 1 the unpack does nothing without stats, and is the stats pass with them.
-        unpack = kernels.bind_unpack(comm, [buffer], self.post_scale, stats=stats)
-        return BucketComm(signature, buffer, comm, pack, unpack, group, dist.ReduceOp.SUM, algorithm, stats=stats)
-
-    def _bind_sharded(self, signature, buffer: torch.Tensor, bucket: Any) -> BucketComm:
-        """A bucket of a wire format summed in float32: all-to-all, local sum, all-gather (``exchange.py``)."""
-        rank = dist.get_rank(self.group)
-        residuals = None
-        stats = new_stats(buffer) if self.grad_stats else None  # its dequantizing unpack overwrites it
-        if self.wire.block_scaled:
-            params = bucket.parameters() if bucket is not None else []  # once per bucket, at binding
-            sizes = tuple(p.numel() for p in params)
-            if sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow them
-                raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
-                                 f"{sum(sizes)} of {buffer.numel()} elements")
-            layout = kernels.block_layout(sizes, self.world_size)
-            if self.wire.error_feedback:
-                residuals = self.residuals.for_layout(tuple(map(id, params)), sizes, layout, self.group, rank,
-                                                      buffer.device)
-            exchange = block_fp8_exchange(buffer, self.wire, layout, self.group, self.world_size, self.pre_scale,
-                                          residuals, stats)
-        else:
-            exchange = float32_sum_exchange(buffer, self.wire, self.group, self.world_size, self.pre_scale,
-                                            self.post_scale, stats)
-        entry = BucketComm(signature, buffer, exchange.send, _nothing, _nothing, self.group, None, None,
-                           exchange=exchange, residuals=residuals, stats=stats)
-        entry.record.wire_format = self.wire.name  # its buffers are bytes: name the format, not their dtype
-        return entry
+        return bind_bucket(buffer, bucket, wire=self.wire, group=self.group, world_size=self.world_size,
+                           backend=self.backend, pre_scale=self.pre_scale, post_scale=self.post_scale,
+                           grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
+                           queue=self.exchanges)
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
         if self.active_profile is None or not self.algorithm_groups:
@@ -382,8 +281,10 @@ class CommState:
         not counted)."""
         held = 0
         for entry in self.buckets.values():
-            tensors = (entry.exchange.send, entry.exchange.recv, entry.exchange.shard) if entry.exchange else \
-                ((entry.comm,) if entry.comm is not entry.buffer else ())
+            if entry.exchange is not None:
+                tensors = (entry.exchange.send, entry.exchange.recv, entry.exchange.shard)
+            else:
+                tensors = (entry.wire_buffer,) if entry.wire_buffer is not entry.buffer else ()
             held += sum(t.numel() * t.element_size() for t in tensors)
         return held + self.residuals.held_bytes()
 
@@ -479,10 +380,6 @@ def _describe_spec(spec: ProfileSpec) -> str:
     if isinstance(spec, os.PathLike):
         return f"profile={os.fspath(spec)!r}"
     return f"profile={type(spec).__name__}"
-
-
-def _nothing() -> None:
-    return None
 
 
 class _UnusableProfile:

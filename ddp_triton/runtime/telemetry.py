@@ -10,10 +10,10 @@ Three pieces, each costing nothing a step does not need:
   late, which ``torch.profiler`` records only when told to record every thread (``experimental_config=
   torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` in recent torch); otherwise those unpack
   ranges are missing from the trace while pack and launch ranges are all there.
-- **Bytes on the wire**, counted per collective actually issued (``count_issued``): the bytes of the tensor each
-  collective was handed, per wire format, in total and for the latest backward pass. Always on: a few integer
-  additions per bucket. A sharded exchange counts its all-to-all's buffer, once: with its all-gather it sends what
-  a ring all-reduce of that buffer sends (2(N-1)/N of it per rank), so the counts of all formats compare as message
+- **Bytes on the wire**: what each pass hands to the collectives, per wire format, fixed when the bucket binds
+  (``BucketRecord.pass_bytes``), and the passes counted as the collectives are issued: one integer addition per
+  bucket. A sharded exchange counts its all-to-all's buffer, once: with its all-gather it sends what a ring
+  all-reduce of that buffer sends (2(N-1)/N of it per rank), so the counts of all formats compare as message
   sizes, the way NCCL's own tests size an all-reduce.
 - **Timings**, with ``CommState(timing=True)`` only: pack, communication (from the collective's launch to the start
   of its unpack, in stream order) and unpack of each bucket in the latest pass. On CUDA tensors they are CUDA
@@ -21,9 +21,9 @@ Three pieces, each costing nothing a step does not need:
   synchronises); on CPU tensors, where pack and unpack run on the host, ``time.perf_counter`` around them, labelled
   ``host perf_counter`` (the communication time then includes the wait for gloo's thread to run the callback).
 
-A bucket path of its own (another wire format) plugs in the same way as the hook's: it calls ``count_issued`` once
-per collective it issues, with its format's name, and may set ``BucketRecord.wire_format`` to name the bucket's
-format in the summary; ``watch`` and its phases take any phase name.
+A bucket path of its own (another wire format) plugs in the same way as the hook's (``bucket.py``): it gives its
+``BucketRecord`` the format's name and bytes per pass when it binds and counts ``passes`` when it sends; ``watch``
+and its phases take any phase name.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 from ..dtypes import normalize_dtype
@@ -54,20 +53,19 @@ def human_bytes(n: float) -> str:
 
 @dataclass
 class BucketRecord:
-    """One bucket's telemetry: its index, what was sent for it, and (with timing) its latest pass's marks."""
+    """One bucket's telemetry: its index, what each pass hands to the collectives (fixed when the bucket binds), how
+    many passes it was sent in, and (with timing) its latest pass's marks."""
 
     index: Optional[int] = None
-    """DDP's index of the bucket (``GradBucket.index()``), known once a collective was issued for it."""
-    wire_format: Optional[str] = None
-    """The bucket's wire format as the summary names it; None: from the communication tensor's dtype."""
-    collectives: int = 0
-    """Collectives issued for this bucket, over all passes."""
-    sent_bytes: Dict[str, int] = field(default_factory=dict)
-    """Bytes handed to collectives, per wire format, over all passes."""
-    pass_id: int = -1
-    """The backward pass (``CommState`` pass count) that ``pass_bytes`` belongs to."""
+    """DDP's index of the bucket (``GradBucket.index()``)."""
+    wire_format: str = ""
+    """The bucket's wire format as the summary names it ("bfloat16", "float32 (AVG)", "fp8e4m3+ef", ...)."""
     pass_bytes: Dict[str, int] = field(default_factory=dict)
-    """Bytes handed to collectives in pass ``pass_id``, per wire format."""
+    """Bytes handed to collectives in one pass, per wire format."""
+    collectives_per_pass: int = 1
+    """Collectives issued for the bucket in one pass."""
+    passes: int = 0
+    """Passes the bucket was sent in (counted as its collectives are issued)."""
     marks: Dict[str, list] = field(default_factory=dict, repr=False)
     """Timing: phase -> [start, end], CUDA events or perf_counter seconds, overwritten every pass."""
     clock: Optional[str] = None
@@ -75,14 +73,15 @@ class BucketRecord:
     labels: Dict[str, str] = field(default_factory=dict, repr=False)
     """Profiler range names per phase, made once."""
 
-    def sent(self, pass_id: int, nbytes: int, wire_format: str) -> None:
-        """Count one collective issued in pass ``pass_id`` that was handed ``nbytes`` bytes in ``wire_format``."""
-        if pass_id != self.pass_id:
-            self.pass_id = pass_id
-            self.pass_bytes = {}
-        self.pass_bytes[wire_format] = self.pass_bytes.get(wire_format, 0) + nbytes
-        self.sent_bytes[wire_format] = self.sent_bytes.get(wire_format, 0) + nbytes
-        self.collectives += 1
+    @property
+    def sent_bytes(self) -> Dict[str, int]:
+        """Bytes handed to collectives over every pass, per wire format."""
+        return {fmt: n * self.passes for fmt, n in self.pass_bytes.items()}
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued for the bucket over every pass."""
+        return self.collectives_per_pass * self.passes
 
     def label(self, phase: str, bucket_bytes: int) -> str:
         name = self.labels.get(phase)
@@ -96,16 +95,6 @@ def wire_name(dtype: torch.dtype) -> str:
     return normalize_dtype(dtype)
 
 
-def count_issued(comm: Any, bucket: Any, tensor: torch.Tensor, wire_format: Optional[str] = None) -> None:
-    """Count one collective issued for ``comm`` (a BucketComm) in its current pass: ``tensor``'s bytes, under
-    ``wire_format`` (default: the tensor's dtype). ``bucket``, DDP's GradBucket, gives the bucket's index once."""
-    record = comm.record
-    if record.index is None:
-        record.index = bucket.index()
-    record.sent(comm.last_used, tensor.numel() * tensor.element_size(),
-                wire_format if wire_format is not None else wire_name(tensor.dtype))
-
-
 # ---- profiler ranges and timing -------------------------------------------------------------------------------------
 
 
@@ -115,15 +104,13 @@ def profiler_active() -> bool:
     return getattr(_autograd_profiler, "_is_profiler_enabled", False) or torch.autograd._profiler_enabled()
 
 
-def watch(state: Any, comm: Any, bucket: Any) -> Optional["Watch"]:
+def watch(timing: bool, comm: Any) -> Optional["Watch"]:
     """The bucket's phases to record this pass: None (the hook's plain path) unless a profiler records or
-    ``state.timing`` is on."""
+    ``timing`` (the state's) is on."""
     profiling = profiler_active()
-    if not (profiling or state.timing):
+    if not (profiling or timing):
         return None
-    if comm.record.index is None:
-        comm.record.index = bucket.index()
-    return Watch(comm, profiling, bool(state.timing))
+    return Watch(comm, profiling, timing)
 
 
 class Watch:
@@ -314,17 +301,13 @@ def summarize(state: Any, entries: List[Any]) -> Summary:
     rows = []
     for e in sorted(entries, key=lambda e: (e.record.index is None, e.record.index or 0)):
         record: BucketRecord = e.record
-        if record.wire_format is not None:
-            wire = record.wire_format
-        else:
-            wire = wire_name(e.comm.dtype) + (" (AVG)" if _is_avg(e.op) else "")
         algorithm = e.algorithm or ("NCCL's choice" if backend == "nccl" else (backend or "-"))
         timed = record.clock is not None and state.timing
         rows.append(BucketSummary(
             index=record.index, dtype=wire_name(e.buffer.dtype), elements=e.buffer.numel(),
-            bucket_bytes=e.buffer.numel() * e.buffer.element_size(), wire_format=wire, algorithm=algorithm,
-            wire_bytes=dict(record.pass_bytes) if record.pass_id == e.last_used else {},
-            wire_bytes_total=dict(record.sent_bytes), collectives=record.collectives,
+            bucket_bytes=e.buffer.numel() * e.buffer.element_size(), wire_format=record.wire_format,
+            algorithm=algorithm, wire_bytes=dict(record.pass_bytes), wire_bytes_total=record.sent_bytes,
+            collectives=record.collectives,
             pack_ms=elapsed_ms(record.marks.get("pack")) if timed else None,
             comm_ms=elapsed_ms(record.marks.get("comm")) if timed else None,
             unpack_ms=elapsed_ms(record.marks.get("unpack")) if timed else None,
@@ -334,6 +317,3 @@ def summarize(state: Any, entries: List[Any]) -> Summary:
     return Summary(buckets=rows, passes=state._passes, world_size=getattr(state, "world_size", None),
                    backend=backend, clock=clock)
 
-
-def _is_avg(op: Any) -> bool:
-    return dist.is_available() and op == dist.ReduceOp.AVG

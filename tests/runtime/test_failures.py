@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.runtime.algo_groups import scoped_env
-from ddp_triton.runtime.hook import then_unpack
+from ddp_triton.runtime.bucket import then_unpack
 from dist_utils import call_as_the_test_left_off, snapshot, worker_context
 
 # The survivor trains for at most this long; a fixed hook raises within a few seconds of the peer's death.

@@ -19,7 +19,7 @@ import ddp_triton
 from dist_utils import run_workers
 from interpreter import interpreter_problem
 from ddp_triton.runtime.algo_groups import scoped_env
-from ddp_triton.runtime.state import split_average
+from ddp_triton.runtime.bucket import split_average
 
 BATCH = 16
 IN, HIDDEN, OUT = 8, 32, 4
@@ -343,11 +343,11 @@ def _memory_worker(rank, world_size):
         opt.step()
         if step == 10:  # past DDP's bucket rebuild and the pruning of the first buckets' entries
             held = state.held_bytes()
-            comms = {k: e.comm for k, e in state.buckets.items()}
+            comms = {k: e.wire_buffer for k, e in state.buckets.items()}
     assert state.held_bytes() == held
     assert held == sum(p.numel() for p in model.parameters()) * 2  # one bfloat16 copy of each bucket
     assert state.buckets.keys() == comms.keys()
-    assert all(state.buckets[k].comm is c for k, c in comms.items()), "communication buffers were reallocated"
+    assert all(state.buckets[k].wire_buffer is c for k, c in comms.items()), "communication buffers were reallocated"
 
 
 def test_long_run_holds_constant_memory():
@@ -525,9 +525,9 @@ def _shared_state_worker(rank, world_size):
             m.zero_grad()
             local_backward(m, x, y, rank, world_size)
         if step == 8:
-            comms = {k: e.comm for k, e in default_state().buckets.items()}
+            comms = {k: e.wire_buffer for k, e in default_state().buckets.items()}
     assert len(comms) >= 4, "both models' buckets are in the shared state"
-    assert {k: e.comm for k, e in default_state().buckets.items()} == comms, "buffers were rebound"
+    assert {k: e.wire_buffer for k, e in default_state().buckets.items()} == comms, "buffers were rebound"
 
 
 def test_models_sharing_the_default_state_keep_their_buffers():

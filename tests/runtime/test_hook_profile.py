@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.machine.profile import Profile, ProfileError, TableEntry
-from ddp_triton.runtime.state import collective_averages
+from ddp_triton.runtime.bucket import collective_averages
 from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
 
 SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
@@ -36,7 +36,7 @@ def _dispatch_worker(rank, world_size):
     assert all(g is state.group for g in state.algorithm_groups.values())  # gloo: one group for all
     train_ddp(ddp, rank, world_size, steps=4)
     assert_params_close(ddp.module, reference, **FP32_TOL)
-    chosen = {e.comm.numel() * 4: e.algorithm for e in state.buckets.values()}
+    chosen = {e.wire_buffer.numel() * 4: e.algorithm for e in state.buckets.values()}
     assert set(chosen.values()) == {"ring", "tree"}, f"sizes {chosen} should straddle the split"
     for nbytes, algorithm in chosen.items():
         assert algorithm == ("tree" if nbytes <= SPLIT_BYTES else "ring")

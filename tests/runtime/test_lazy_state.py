@@ -78,7 +78,7 @@ def _first_bucket_worker(rank, world_size):
     assert state.bound and state.group is dist.group.WORLD and state.world_size == world_size
     assert state.backend == "gloo" and state.active_profile is None and state.device is None
     assert state.passes == STEPS, "the hook averaged every backward"
-    assert len(state.buckets) > 1 and {e.comm.dtype for e in state.buckets.values()} == {torch.float32}
+    assert len(state.buckets) > 1 and {e.wire_buffer.dtype for e in state.buckets.values()} == {torch.float32}
     assert_same_weights(ddp.module, plain.module)
 
 

@@ -105,7 +105,7 @@ def _save_load_worker(rank, world_size, tmp):
     assert_same_weights(loaded.module, model)
     # the restored state did the averaging, on the default group, in bfloat16
     assert restored.buckets and restored.group is dist.group.WORLD and restored.comm_dtype == torch.bfloat16
-    assert {e.comm.dtype for e in restored.buckets.values()} == {torch.bfloat16}
+    assert {e.wire_buffer.dtype for e in restored.buckets.values()} == {torch.bfloat16}
 
 
 def test_torch_save_and_load_of_a_whole_ddp_model(tmp_path):

@@ -106,21 +106,20 @@ def test_summary_and_profiler_ranges_under_ddp():
 
 
 def test_record_counts_per_pass_and_per_format():
-    record = BucketRecord()
-    record.sent(0, 100, "bfloat16")
-    record.sent(1, 100, "bfloat16")
-    record.sent(1, 8, "float32")  # a format with a second tensor (scales, say) in the same pass
-    assert record.pass_id == 1 and record.pass_bytes == {"bfloat16": 100, "float32": 8}
-    assert record.sent_bytes == {"bfloat16": 200, "float32": 8} and record.collectives == 3
+    # a format with a second tensor (scales, say) in each pass of two collectives
+    record = BucketRecord(3, "fp8", {"bfloat16": 100, "float32": 8}, collectives_per_pass=2)
+    assert record.sent_bytes == {"bfloat16": 0, "float32": 0} and record.collectives == 0
+    record.passes += 2
+    assert record.pass_bytes == {"bfloat16": 100, "float32": 8}
+    assert record.sent_bytes == {"bfloat16": 200, "float32": 16} and record.collectives == 4
 
 
 def test_no_watch_without_profiler_or_timing():
-    comm = SimpleNamespace(record=BucketRecord(), buffer=torch.zeros(4))
-    bucket = SimpleNamespace(index=lambda: 0)
+    comm = SimpleNamespace(record=BucketRecord(0), buffer=torch.zeros(4))
     assert not telemetry.profiler_active()
-    assert telemetry.watch(SimpleNamespace(timing=False), comm, bucket) is None
-    watched = telemetry.watch(SimpleNamespace(timing=True), comm, bucket)
-    assert watched is not None and comm.record.index == 0  # (under a profiler: test_summary_and_profiler_ranges)
+    assert telemetry.watch(False, comm) is None
+    watched = telemetry.watch(True, comm)
+    assert watched is not None and watched.timing  # (under a profiler: test_summary_and_profiler_ranges)
 
 
 def test_table_and_headline():
