@@ -64,6 +64,16 @@ def positive_float(text: str) -> float:
     return v
 
 
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def fraction(text: str) -> float:
     v = positive_float(text)
     if v > 1:

@@ -172,7 +172,8 @@ def _emit(profile: Any, args: argparse.Namespace) -> int:
 
 
 def _common_profile_kwargs(args: argparse.Namespace) -> dict:
-    return {"fraction": args.fraction, "model_bytes": args.model_bytes, "min_buckets": args.min_buckets}
+    return {"fraction": args.fraction, "model_bytes": args.model_bytes, "min_buckets": args.min_buckets,
+            "host_us_per_bucket": args.host_us_per_bucket}
 
 
 def cmd_autotune(args: argparse.Namespace) -> int:

@@ -29,9 +29,10 @@ from typing import NoReturn, Optional, Sequence
 
 from .. import __version__
 from ..envinfo import collect_env, format_env
-from ..machine.profile import Profile, ProfileError
+from ..machine.profile import DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
 from ..machine.topology import PRESETS, TopologyError, load_topology
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
+                   nonneg_float,
                    nonneg_int, parse_size, positive_float, positive_int)
 
 
@@ -164,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--fraction", type=fraction, default=0.9, help="busbw fraction a bucket must reach (0.9)")
     bk.add_argument("--model-bytes", type=parse_size, help="gradient bytes of the model, to keep enough buckets")
     bk.add_argument("--min-buckets", type=positive_int, default=4, help="least buckets the model splits into (4)")
+    bk.add_argument("--host-us-per-bucket", type=nonneg_float, default=DEFAULT_HOST_US_PER_BUCKET, metavar="US",
+                    help="host time a bucket costs besides its all-reduce, counted against small buckets "
+                         f"(python -m bench.hook_cost measures it; default {DEFAULT_HOST_US_PER_BUCKET:g}, the "
+                         "H200's; 0: bandwidth alone)")
     e2e = a.add_argument_group("e2e")
     e2e.add_argument("--buckets", type=lambda s: [positive_float(x) for x in csv_list(s)],
                      help="bucket_cap_mb values to try (default: around the profile's choice, and 25)")

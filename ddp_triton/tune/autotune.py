@@ -78,7 +78,8 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                     algorithms: Optional[Sequence[str]] = None, comm_dtype: str = "bfloat16",
                     dtypes: Optional[Sequence[str]] = None, warmup: int = 5, iters: int = 20,
                     fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
-                    min_buckets: int = DEFAULT_MIN_BUCKETS, progress: bool = True) -> Profile:
+                    min_buckets: int = DEFAULT_MIN_BUCKETS, progress: bool = True,
+                    host_us_per_bucket: float = 0.0) -> Profile:
     """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
 
     ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
@@ -101,7 +102,8 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
     notes.append(note)
     return profile_from_rows(rows, source="measured", backend="nccl" if backend == "nccl" else "gloo",
                              world_size=world, nodes=nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
-                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes, calibration=calibration)
+                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes, calibration=calibration,
+                             host_us_per_bucket=host_us_per_bucket)
 
 
 def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: str,

@@ -73,6 +73,21 @@ def test_autotune_model_only(env, tmp_path, capsys):
     assert Profile.from_dict(json.loads(capsys.readouterr().out)).world_size == 16
 
 
+def test_autotune_counts_the_host_cost_per_bucket(env, capsys):
+    """The default host time per bucket picks larger buckets for a small model on one fast node; 0 turns it off."""
+    picked = {}
+    for host in ("0", "66"):
+        assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--model-bytes", "1G", "--min-buckets",
+                     "2", "--host-us-per-bucket", host, "--json", "--no-cache"]) == 0
+        profile = Profile.from_dict(json.loads(capsys.readouterr().out))
+        picked[host] = profile.bucket_cap_mb
+        assert ("host time per bucket" in profile.bucket_reason) == (host != "0")
+    assert picked["66"] > picked["0"], picked
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--model-bytes", "1G", "--min-buckets", "2",
+                 "--json", "--no-cache"]) == 0
+    assert Profile.from_dict(json.loads(capsys.readouterr().out)).bucket_cap_mb == picked["66"]  # the default
+
+
 def test_profile_show(env, tmp_path, capsys):
     good = tmp_path / "p.json"
     assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--out", str(good), "--no-cache",
@@ -268,6 +283,8 @@ def test_autotune_model_only_wire_formats(env, capsys):
                  id="bad-dtype"),
     pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--fraction", "1.5"], "(0, 1]",
                  id="bad-fraction"),
+    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--host-us-per-bucket", "-1"], ">= 0",
+                 id="negative-host-cost"),
     pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--world-size", "12"], "world size 12",
                  id="world-size-not-fitting"),
     pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--algorithms", "ring,warp"], "warp",

@@ -289,6 +289,26 @@ def test_choose_bucket_cap_mb():
     assert choose_bucket_cap_mb(one_rank)[0] == 25.0
 
 
+def test_host_cost_per_bucket_picks_fewer_larger_buckets():
+    # Times from busbw at 8 ranks (busbw = algbw * 2 * 7/8): a fast fabric, where a 4 MiB all-reduce takes ~24 us.
+    def timed(mib, busbw):
+        nbytes = mib << 20
+        return row(nbytes, "ring", nbytes / (busbw / 1.75 * 1e3), busbw=busbw)
+
+    rows = [timed(s, b) for s, b in ((1, 200.0), (4, 310.0), (16, 330.0), (64, 340.0))]
+    assert choose_bucket_cap_mb(rows)[0] == 4.0  # bandwidth alone: 310 >= 0.9 * 340
+    # 5 us of host time a bucket: 4 MiB (an all-reduce of ~23.7 us) keeps 256 of its 310 GB/s, 16 MiB (~89 us) 312,
+    # 64 MiB (~345 us) 335: 90% of 335 is first reached at 16 MiB.
+    mb, why = choose_bucket_cap_mb(rows, host_us_per_bucket=5.0)
+    assert mb == 16.0 and "5 us of host time per bucket" in why
+    # 66 us (the H200's default): 4 MiB keeps 82 GB/s, 16 MiB 189, 64 MiB 285: only the largest allowed reaches 90%.
+    assert choose_bucket_cap_mb(rows, host_us_per_bucket=66.0)[0] == 64.0
+    assert choose_bucket_cap_mb(rows, host_us_per_bucket=0.0)[0] == 4.0
+    for bad in (-1.0, float("inf"), float("nan"), "66"):
+        with pytest.raises(ValueError, match="host_us_per_bucket"):
+            choose_bucket_cap_mb(rows, host_us_per_bucket=bad)
+
+
 def test_bucket_cap_without_model_size_is_bounded():
     # busbw reaches 90% of its best only at 256 MiB: one bucket for most models, were it not capped.
     rows = [row(s << 20, "ring", 1.0, busbw=b) for s, b in ((16, 50.0), (64, 80.0), (256, 95.0), (1024, 100.0))]

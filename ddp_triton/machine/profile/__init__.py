@@ -5,7 +5,8 @@
 - `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
 """
 
-from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_MAX_BUCKET_MB, DEFAULT_TIE_TOLERANCE, build_table,
+from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB,
+                    DEFAULT_TIE_TOLERANCE, build_table,
                     cached_or_model_profile, calibrate, check_calibration_fits, choose_bucket_cap_mb,
                     fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
 from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
@@ -17,6 +18,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_FRACTION",
     "DEFAULT_GRAD_DTYPE",
+    "DEFAULT_HOST_US_PER_BUCKET",
     "DEFAULT_MAX_BUCKET_MB",
     "DEFAULT_MIN_BUCKETS",
     "DEFAULT_TIE_TOLERANCE",

@@ -32,6 +32,13 @@ DEFAULT_MAX_BUCKET_MB = 64.0
 #: Two algorithms within this fraction of each other at a size count as tied; the table then keeps the algorithm of
 #: the previous size, which avoids flapping between near-equal algorithms on measurement noise (and extra groups).
 DEFAULT_TIE_TOLERANCE = 0.03
+#: Host microseconds a bucket costs besides its all-reduce, measured on the lent H200 (torch 2.11, 2026-11-30):
+#: triton_hook bf16 with bucket views took 6.10 ms a step against 4.94 without a hook (bench.ddp_step, the 100.7M
+#: MLP, 13 buckets after DDP's rebuild), of which about 0.3 ms is its pack and unpack kernels' GPU time:
+#: (1.16 - 0.3) ms / 13 = 66 us. Measured before the bucket paths were bound once per bucket, so an upper estimate
+#: for this release until bench.hook_cost runs there; `autotune --host-us-per-bucket` takes this machine's.
+DEFAULT_HOST_US_PER_BUCKET = 66.0
+
 #: dtype of the gradients DDP buckets hold; bucket_cap_mb counts those bytes.
 DEFAULT_GRAD_DTYPE = "float32"
 
@@ -78,13 +85,18 @@ def build_table(rows: Iterable[Union[SweepRow, Mapping[str, Any]]],
 
 def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fraction: float = DEFAULT_FRACTION,
                          model_bytes: Optional[int] = None, min_buckets: int = DEFAULT_MIN_BUCKETS,
-                         comm_ratio: float = 1.0) -> Tuple[float, str]:
+                         comm_ratio: float = 1.0, host_us_per_bucket: float = 0.0) -> Tuple[float, str]:
     """DDP ``bucket_cap_mb`` and the reason for it.
 
     First the largest bucket allowed: ``model_bytes / min_buckets`` (gradient bytes of the model, so that it still
     splits into that many buckets that overlap backward), else ``DEFAULT_MAX_BUCKET_MB``. Then the smallest swept
     all-reduce, no larger than that, whose best busbw reaches ``fraction`` of the best busbw an allowed bucket gets;
     where that is the largest swept size allowed (busbw still rising), the bucket is the largest allowed.
+
+    ``host_us_per_bucket``: the host time each bucket costs besides its all-reduce (the hook's Python, the
+    collective's call, the completion: ``python -m bench.hook_cost`` measures it; ``DEFAULT_HOST_US_PER_BUCKET``
+    is the H200's). Each row's busbw is then taken over its time plus that cost, so where the host is the limit
+    small buckets lose and the rule picks fewer, larger ones.
 
     Why against the largest allowed bucket and not the whole sweep: NCCL reaches its peak only for messages of
     hundreds of MiB to GiB (chunk pipelining, ``cost_model.ramp``), so 90% of the sweep's best lies beyond any bucket
@@ -99,8 +111,14 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
         raise ValueError(f"comm_ratio must be > 0, got {comm_ratio!r}")
     if model_bytes is not None and model_bytes <= 0:
         raise ValueError(f"model_bytes must be > 0, got {model_bytes!r}")
+    if not (isinstance(host_us_per_bucket, (int, float)) and 0 <= host_us_per_bucket < float("inf")):
+        raise ValueError(f"host_us_per_bucket must be a finite number >= 0, got {host_us_per_bucket!r}")
     best: Dict[int, SweepRow] = {}
     for r in _as_rows(rows):
+        if host_us_per_bucket and r.time_us > 0:  # the bucket's busbw over its all-reduce and its host cost
+            r = dataclasses.replace(r, time_us=r.time_us + host_us_per_bucket,
+                                    algbw_gbps=r.algbw_gbps * r.time_us / (r.time_us + host_us_per_bucket),
+                                    busbw_gbps=r.busbw_gbps * r.time_us / (r.time_us + host_us_per_bucket))
         if r.nbytes not in best or r.busbw_gbps > best[r.nbytes].busbw_gbps:
             best[r.nbytes] = r
     if not best:
@@ -126,6 +144,8 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
         if chosen.nbytes == allowed[-1] and bucket_bytes < cap:
             bucket_bytes = cap
             reason += f"; busbw still rising there: {format_bytes(cap)}, the largest bucket allowed"
+    if host_us_per_bucket:
+        reason += f"; busbw counted over each all-reduce plus {host_us_per_bucket:g} us of host time per bucket"
     if model_bytes is not None:
         reason += (f"; at most {format_bytes(cap)} so the {format_bytes(model_bytes)} of gradients split into "
                    f"{min_buckets} buckets that overlap backward")
@@ -167,7 +187,8 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
                       world_size: int, nodes: int, comm_dtype: str, topo: Any = None,
                       fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
                       min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
-                      notes: Optional[List[str]] = None, calibration: Optional[Calibration] = None) -> Profile:
+                      notes: Optional[List[str]] = None, calibration: Optional[Calibration] = None,
+                      host_us_per_bucket: float = 0.0) -> Profile:
     """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``; ``calibration`` is stored
     with it."""
     all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
@@ -179,7 +200,8 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
     table = build_table(comm_rows, protocol_of=guesser)
     mb, reason = choose_bucket_cap_mb(comm_rows, fraction=fraction, model_bytes=model_bytes,
                                       min_buckets=min_buckets,
-                                      comm_ratio=dtype_size(comm_dtype) / dtype_size(grad_dtype))
+                                      comm_ratio=dtype_size(comm_dtype) / dtype_size(grad_dtype),
+                                      host_us_per_bucket=host_us_per_bucket)
     return Profile(source=source, backend=backend, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
                    bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
                    topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
@@ -190,7 +212,7 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
 def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Sequence[int]] = None,
                   fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
                   min_buckets: int = DEFAULT_MIN_BUCKETS, grad_dtype: str = DEFAULT_GRAD_DTYPE,
-                  calibration: Optional[Calibration] = None) -> Profile:
+                  calibration: Optional[Calibration] = None, host_us_per_bucket: float = 0.0) -> Profile:
     """The cost model's profile for ``topo`` (its nodes and GPUs per node as launched; see apply_launch_env), with a
     ``calibration`` measured on one of its nodes if given (``check_calibration_fits`` first)."""
     comm_dtype = normalize_dtype(comm_dtype)
@@ -206,7 +228,7 @@ def model_profile(topo: Any, comm_dtype: str = "bfloat16", sizes: Optional[Seque
     return profile_from_rows(rows, source="model", backend="model", world_size=fabric.world_size,
                              nodes=fabric.nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
                              model_bytes=model_bytes, min_buckets=min_buckets, grad_dtype=grad_dtype, notes=notes,
-                             calibration=calibration)
+                             calibration=calibration, host_us_per_bucket=host_us_per_bucket)
 
 
 def node_fingerprint(topo: Any) -> str:
