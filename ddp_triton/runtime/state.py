@@ -261,6 +261,11 @@ class CommState:
                 del self.buckets[key]
 
     def _bind(self, buffer: torch.Tensor, bucket: Any) -> BucketComm:
+        if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Binding allocates, and may zero residuals or run collectives: kernels a graph would replay each step.
+            raise RuntimeError("triton_hook: a bucket was first seen during CUDA graph capture; run eager steps "
+                               "before capturing (torch's recipe for DDP: at least 11) so that every bucket binds "
+                               "outside the graph, DDP's rebuilt buckets included")
         if not self._attached:  # built before init_process_group, or restored: binds here, off the per-step path
             if self.device is None and buffer.is_cuda:
                 self.device = buffer.device

@@ -110,6 +110,10 @@ def watch(timing: bool, comm: Any) -> Optional["Watch"]:
     profiling = profiler_active()
     if not (profiling or timing):
         return None
+    if timing and comm.buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("triton_hook: CommState(timing=True) cannot time a step captured in a CUDA graph (its "
+                           "events would be recorded once, at capture); build the state without timing, and time "
+                           "graph replays from outside")
     return Watch(comm, profiling, timing)
 
 
