@@ -56,7 +56,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import environment, format_table  # noqa: E402
-from ddp_triton.runtime.grad_stats import pass_entries  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 from examples.train import synthetic_dataset  # noqa: E402
 
@@ -196,7 +195,7 @@ TASKS = {"seed": SeedTask, "char": CharTask}
 def wire_bytes(state: Any) -> Dict[str, Any]:
     """Bytes on the wire of the latest backward, as the state counted them, and the all-gather shards it does not."""
     summary = state.summary()
-    gathered = sum(e.exchange.collective_bytes()[1] for e in pass_entries(state) if e.exchange is not None)
+    gathered = sum(e.exchange.collective_bytes()[1] for e in state.latest_pass() if e.exchange is not None)
     return {"per_step": summary.wire_bytes_per_step, "fp32_per_step": summary.fp32_bytes_per_step,
             "ratio_to_fp32": summary.wire_bytes_per_step / summary.fp32_bytes_per_step,
             "buckets": [{"index": b.index, "elements": b.elements, "wire_format": b.wire_format,

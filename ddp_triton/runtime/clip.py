@@ -16,7 +16,6 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..log import logger
-from .grad_stats import cannot_vouch, grad_norm
 from .state import CommState
 
 
@@ -57,8 +56,8 @@ def clip_grad_norm_(
         model = [model] if isinstance(model, torch.Tensor) else list(model)  # torch's convention; read twice below
     if state is None:
         state = find_state(model)
-    reason = "no CommState given or registered on the model" if state is None else cannot_vouch(model, state,
-                                                                                                  norm_type)
+    reason = "no CommState given or registered on the model" if state is None else state.cannot_vouch(model,
+                                                                                                        norm_type)
     unscale = None
     if reason is None and scaler is not None:
         unscale, reason = unscale_factor(scaler)
@@ -66,7 +65,7 @@ def clip_grad_norm_(
         logger.debug("clip_grad_norm_: torch's clip_grad_norm_, because %s", reason)
         return torch.nn.utils.clip_grad_norm_(_parameters(model), max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    total_norm = grad_norm(state)
+    total_norm = state.grad_norm()
     if unscale is not None:
         total_norm = total_norm * unscale.to(total_norm.device)
     if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):

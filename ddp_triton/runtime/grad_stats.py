@@ -18,7 +18,7 @@ AVG as a pre-multiplied sum.
 ``stats=new_stats(buffer)`` when ``grad_stats`` is on and having their own unpack overwrite it; the sum runs over
 the buckets of the pass.
 
-**Which pass.** The buckets the hook saw in the state's latest backward pass (``BucketComm.last_used``), all of
+**Which pass.** The buckets the hook saw in the state's latest backward pass (``CommState.latest_pass``), all of
 DDP's buckets, so unused parameters (zeros in their bucket under ``find_unused_parameters``) count as zeros, and
 mixed-dtype models sum their float32 and bfloat16 buckets alike. ``no_sync`` backward passes do not call the hook:
 the stats stay those of the latest synchronising backward, which averaged the accumulated gradients. Under
@@ -41,7 +41,7 @@ unscale_``): ``clip_grad_norm_`` takes the scaler to account for it.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -55,19 +55,13 @@ def new_stats(buffer: torch.Tensor) -> torch.Tensor:
     return torch.zeros(2, dtype=torch.float32, device=buffer.device)
 
 
-def pass_entries(state: Any) -> List[Any]:
-    """The BucketComm entries of the state's latest completed backward pass, in the order the state holds them."""
-    last = state._passes - 1
-    return [e for e in state.buckets.values() if e.last_used == last]
-
-
-def why_no_stats(state: Any) -> Optional[str]:
-    """None when the state holds statistics of a latest pass; else why not (for ``grad_norm``'s error)."""
-    if not state.grad_stats:
+def why_no_stats(enabled: bool, per_parameter: bool, entries: List[Any]) -> Optional[str]:
+    """None when ``entries`` (a state's latest pass) hold statistics; else why not (for ``grad_norm``'s error).
+    ``enabled``: the state's ``grad_stats``; ``per_parameter``: whether the hook ran per parameter."""
+    if not enabled:
         return "this CommState was built without grad_stats=True"
-    if getattr(state, "per_parameter_calls", False):
+    if per_parameter:
         return PER_PARAMETER_REASON
-    entries = pass_entries(state)
     if not entries:
         return "no backward pass has gone through the hook yet"
     if any(e.stats is None for e in entries):
@@ -75,33 +69,25 @@ def why_no_stats(state: Any) -> Optional[str]:
     return None
 
 
-def pass_totals(state: Any) -> torch.Tensor:
-    """[sum of squares, non-finite count] over the latest pass's buckets, float32 (2,), on the gradients' device."""
-    reason = why_no_stats(state)
-    if reason is not None:
-        raise RuntimeError(f"no gradient statistics: {reason}")
-    stats = [e.stats for e in pass_entries(state)]
+def pass_totals(entries: List[Any]) -> torch.Tensor:
+    """[sum of squares, non-finite count] over ``entries`` (a pass's buckets, each with stats), float32 (2,), on the
+    gradients' device."""
+    stats = [e.stats for e in entries]
     if len(stats) == 1:
         return stats[0].clone()
     device = stats[0].device
     return torch.stack([s.to(device) for s in stats]).sum(dim=0)
 
 
-def grad_norm(state: Any) -> torch.Tensor:
-    """The L2 norm of every averaged gradient of the latest synchronising backward: 0-dim float32 on the gradients'
-    device; inf if a gradient holds inf, NaN if one holds NaN (as torch's clip_grad_norm_ reports them)."""
-    return pass_totals(state)[0].sqrt()
+def grad_norm(entries: List[Any]) -> torch.Tensor:
+    """The L2 norm of every averaged gradient of a pass (``entries``, each with stats): 0-dim float32 on the
+    gradients' device; inf if a gradient holds inf, NaN if one holds NaN (as torch's clip_grad_norm_ reports them)."""
+    return pass_totals(entries)[0].sqrt()
 
 
-def found_inf(state: Any) -> torch.Tensor:
-    """1.0 if any averaged gradient of the latest synchronising backward is not finite, else 0.0 (0-dim float32)."""
-    return (pass_totals(state)[1] > 0).to(torch.float32)
-
-
-def mark_per_parameter(state: Any) -> None:
-    """Record that the hook ran per parameter (compiled autograd): from then on ``grad_norm`` refuses."""
-    if not getattr(state, "per_parameter_calls", False):
-        state.per_parameter_calls = True
+def found_inf(entries: List[Any]) -> torch.Tensor:
+    """1.0 if any averaged gradient of a pass is not finite, else 0.0 (0-dim float32)."""
+    return (pass_totals(entries)[1] > 0).to(torch.float32)
 
 
 # ---- coverage: which gradients the latest pass's statistics describe ------------------------------------------------
@@ -165,12 +151,13 @@ class BucketCoverage:
         return noted is not None and noted[0]() is grad and grad._version == noted[1]
 
 
-def note_bucket(state: Any, comm: Any, last: bool) -> None:
+def note_bucket(comm: Any, last: bool, pass_entries: Callable[[], List[Any]]) -> None:
     """The hook's per-bucket step with ``grad_stats``: note what DDP's copy will change, and at the pass's ``last``
-    bucket arrange for the pass's end to be noted after DDP's."""
+    bucket arrange for the pass's end to be noted after DDP's, on the buckets ``pass_entries()`` gives then."""
     comm.coverage.note_before()
     if last:
-        _after_ddp(lambda: _note_pass_end(state, comm.last_used))
+        pass_id = comm.last_used
+        _after_ddp(lambda: _note_pass_end(pass_entries(), pass_id))
 
 
 def _after_ddp(callback: Any) -> None:
@@ -188,29 +175,29 @@ def _after_ddp(callback: Any) -> None:
         pass
 
 
-def _note_pass_end(state: Any, pass_id: int) -> None:
-    for e in state.buckets.values():
+def _note_pass_end(entries: List[Any], pass_id: int) -> None:
+    for e in entries:
         if e.last_used == pass_id and e.coverage is not None:
             e.coverage.note_end(pass_id)
 
 
-def cannot_vouch(model: Any, state: Any, norm_type: float = 2.0) -> Optional[str]:
-    """None when ``state``'s norm is the norm torch's ``clip_grad_norm_`` would compute over ``model``'s parameters
-    (a module, or an iterable of parameters as torch's takes); else why not, in words. Reads no gradient values (a
-    host loop over the parameters)."""
+def cannot_vouch(model: Any, entries: List[Any], pass_id: int, no_stats: Optional[str],
+                 norm_type: float = 2.0) -> Optional[str]:
+    """None when the norm of pass ``pass_id`` (its buckets ``entries``; ``no_stats``: ``why_no_stats``'s answer) is
+    the norm torch's ``clip_grad_norm_`` would compute over ``model``'s parameters (a module, or an iterable of
+    parameters as torch's takes); else why not, in words. Reads no gradient values (a host loop over the
+    parameters)."""
     try:
         if float(norm_type) != 2.0:
             return f"norm_type={norm_type}: the state keeps the 2-norm only"
     except (TypeError, ValueError):
         return f"norm_type={norm_type!r} is not a number"
-    reason = why_no_stats(state)
-    if reason is not None:
-        return reason
-    last = state._passes - 1
+    if no_stats is not None:
+        return no_stats
     owner: Dict[int, BucketCoverage] = {}
-    for e in pass_entries(state):
+    for e in entries:
         coverage = e.coverage
-        if coverage is None or coverage.pass_id != last:
+        if coverage is None or coverage.pass_id != pass_id:
             return ("the latest backward pass was not seen to its end (a failed collective, or join()'s shadow "
                     "all-reduces on a rank that has joined)")
         for p in coverage.params:

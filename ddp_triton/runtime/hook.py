@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..kernels import SUPPORTED_DTYPES
 from .bucket import split_average
-from .grad_stats import mark_per_parameter, note_bucket
+from .grad_stats import note_bucket
 from .state import CommState, default_state
 from .telemetry import watch as watch_bucket
 
@@ -46,7 +46,7 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     if last:
         state.count_pass()
     if state.grad_stats:
-        note_bucket(state, comm, last)  # which gradients the pass's statistics cover (grad_stats.py)
+        note_bucket(comm, last, state.latest_pass)  # which gradients the pass's statistics cover (grad_stats.py)
     watch = watch_bucket(state.timing, comm)  # None unless a profiler records or state.timing (telemetry.py)
     if watch is None:
         return comm.start(last)
@@ -71,7 +71,7 @@ def average_grad(state: Any, grad: torch.Tensor) -> Any:
     """
     if isinstance(state, CommState):
         group, comm_dtype = state.averaging_group(), state.comm_dtype
-        mark_per_parameter(state)  # no gradient statistics on this path: grad_norm() refuses (grad_stats.py)
+        state.per_parameter_calls = True  # no gradient statistics on this path: grad_norm() refuses
     else:
         group, comm_dtype = (state if state is not None else dist.group.WORLD), torch.bfloat16
     if grad.layout != torch.strided:

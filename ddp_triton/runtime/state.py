@@ -17,24 +17,20 @@ state follows once bound (``profile_choice.resolve_profile``), or None when NCCL
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from ..dtypes import comm_dtypes
 from ..log import logger
-from ..versions import nccl_version
-from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, fail_together,
-                          make_algorithm_groups, select_group)
+from . import grad_stats as stats
+from .algo_groups import fail_together, select_group
 from .bucket import BucketComm, bind_bucket, split_average
 from .exchange import ExchangeQueue
-from .grad_stats import found_inf as _found_inf, grad_norm as _grad_norm, pass_entries
-from .profile_choice import check_profile_spec, resolve_profile
+from .profile_choice import bind_profile, check_profile_spec
 from .residuals import ResidualStore
 from .telemetry import Summary, summarize
 from .wire import WireFormat, resolve_wire_format
@@ -53,13 +49,13 @@ _PICKLE_VERSION = 2  # 2: accumulate_dtype and error_feedback
 _STALE_AFTER = 4
 
 
-@dataclass
+@dataclass(eq=False)
 class CommState:
     """State for :func:`ddp_triton.triton_hook`.
 
     Build it on every rank, in the same order. After ``init_process_group`` it binds at once (it may create
     process groups); built before, it holds its settings (checked at once) and binds its group, device and profile
-    at its first bucket, on every rank, or at ``bind``/``register``.
+    at its first bucket, on every rank, or at ``bind``/``register``. Compared by identity: it holds tensors.
     """
 
     process_group: Any = None
@@ -88,30 +84,63 @@ class CommState:
     timing: bool = False
     """Time each bucket's pack, communication and unpack (CUDA events on CUDA tensors, read back only by
     ``summary()``; the host's perf_counter on CPU tensors), see ``telemetry.py``."""
-    buckets: Dict[int, BucketComm] = field(default_factory=dict, init=False, repr=False)
+
+    # ---- what the state builds; made by ``_reset`` (construction and unpickling alike) ----------------------------
+    wire: WireFormat = field(init=False, repr=False)
+    """The wire format of the settings (``wire.py``)."""
+    residuals: ResidualStore = field(init=False, repr=False)
+    """FP8 error-feedback residuals by parameter, and the parameters' names (``residuals.py``)."""
+    exchanges: ExchangeQueue = field(init=False, repr=False)
+    """The one order in which this state issues its collectives (``exchange.py``)."""
+    buckets: Dict[int, BucketComm] = field(init=False, repr=False)
     """Per DDP bucket buffer (by its Python object's identity): its bound path (``bucket.py``)."""
-    algorithm_groups: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    algorithm_groups: Dict[str, Any] = field(init=False, repr=False)
     """Algorithm -> the process group whose NCCL communicator runs it, for the algorithms ``active_profile`` uses."""
-    active_profile: Any = field(default=None, init=False, repr=False)
+    active_profile: Any = field(init=False, repr=False)
     """The Profile this state follows, resolved from ``profile`` when the state binds; None: NCCL chooses."""
+    group: Any = field(init=False, repr=False)
+    """The process group it averages over, once bound."""
+    world_size: Optional[int] = field(init=False, repr=False)
+    backend: Optional[str] = field(init=False, repr=False)
+    """"nccl" (also for a mixed "cpu:gloo,cuda:nccl" group: CUDA buckets go through NCCL) or the group's backend."""
+    pre_scale: float = field(init=False, repr=False)
+    post_scale: float = field(init=False, repr=False)
+    """The factors around the sum (``bucket.split_average``), once bound."""
+    per_parameter_calls: bool = field(init=False, repr=False)
+    """Whether the hook was called per parameter (compiled autograd's Python reducer): no statistics then."""
+    _needs_group: bool = field(init=False, repr=False)
+    _passes: int = field(init=False, repr=False)
+    _bound: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.wire: WireFormat = check_options({name: getattr(self, name) for name in STATE_OPTIONS})
-        self.residuals = ResidualStore()
-        self.exchanges = ExchangeQueue()
-        self._needs_group = False
-        self._passes = 0
-        self._attached = False
+        self._reset(check_options({name: getattr(self, name) for name in STATE_OPTIONS}), needs_group=False)
         # Before init_process_group (a framework that wants the state when its strategy is built, like Lightning's
         # DDPStrategy(ddp_comm_state=...)): settings only; binds at its first bucket or at ``bind``/``register``.
         if dist.is_available() and dist.is_initialized():
-            self._attach()
+            self._bind_group()
+
+    def _reset(self, wire: WireFormat, needs_group: bool) -> None:
+        """Everything but the settings, as a state that has not bound yet holds it."""
+        self.wire = wire
+        self.residuals = ResidualStore()
+        self.exchanges = ExchangeQueue()
+        self.buckets = {}
+        self.algorithm_groups = {}
+        self.active_profile = None
+        self.group = None
+        self.world_size = None
+        self.backend = None
+        self.pre_scale, self.post_scale = 1.0, 1.0
+        self.per_parameter_calls = False
+        self._needs_group = needs_group
+        self._passes = 0
+        self._bound = False
 
     @property
     def bound(self) -> bool:
         """Whether the state has bound its process group, device and profile (False until then for a state built
         before ``init_process_group`` or restored from a pickle)."""
-        return self._attached
+        return self._bound
 
     @property
     def passes(self) -> int:
@@ -124,17 +153,17 @@ class CommState:
         Collective, like construction after ``init_process_group``: call on every rank in the same order. A bound
         state is left as it is.
         """
-        if not self._attached:
+        if not self._bound:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("CommState.bind needs torch.distributed to be initialised (init_process_group)")
             if self.process_group is None and process_group is not None:
                 self.process_group = process_group
             if self.device is None and device is not None:
                 self.device = device
-            self._attach()
+            self._bind_group()
         return self
 
-    def _attach(self) -> None:
+    def _bind_group(self) -> None:
         """Bind to the process group and resolve the profile: at construction, or at a restored state's first bucket.
 
         Collective (the profile agreement, algorithm groups): every rank gets here at the same point, which for a
@@ -143,19 +172,20 @@ class CommState:
         group = self.averaging_group()
         if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        world_size = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
-        # "nccl", or a mixed "cpu:gloo,cuda:nccl"; CUDA buckets then go through NCCL.
-        self.backend = "nccl" if "nccl" in backend else backend
-        self.pre_scale, self.post_scale = split_average(self.world_size, self.comm_dtype)
+        backend = "nccl" if "nccl" in backend else backend
         loaded = self.residuals.loaded_from
-        here = (dist.get_rank(group), self.world_size)
+        here = (dist.get_rank(group), world_size)
         fail_together(None if loaded is None or loaded == here else
                       f"the residuals loaded into this state are rank {loaded[0]} of {loaded[1]}'s; it binds as rank "
                       f"{here[0]} of {here[1]}: load each rank's own file", group)
-        self.active_profile = self._setup_profile(self.profile)
-        self._attached = True
+        self.active_profile, self.algorithm_groups = bind_profile(
+            self.profile, group=group, world_size=world_size, comm_dtype=self.comm_dtype, backend=backend,
+            wire_format=self.wire.name, device=self.device)
+        self.group, self.world_size, self.backend = group, world_size, backend
+        self.pre_scale, self.post_scale = split_average(world_size, self.comm_dtype)
+        self._bound = True
 
     def averaging_group(self) -> Any:
         """The group gradients are averaged over: ``process_group``, or the default group when it is None.
@@ -196,47 +226,11 @@ class CommState:
         self.error_feedback = saved.get("error_feedback")
         self.grad_stats = saved.get("grad_stats", False)  # absent before grad_stats existed: off, as then
         self.timing = saved.get("timing", False)
-        self.wire = resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback)
-        self.residuals = ResidualStore()
-        self.exchanges = ExchangeQueue()
-        self.active_profile = None
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
-        self.buckets = {}
-        self.algorithm_groups = {}
-        self._needs_group = not saved["on_default_group"]
-        self._passes = 0
-        self._attached = False
+        self._reset(resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback),
+                    needs_group=not saved["on_default_group"])
 
-    def _setup_profile(self, spec: ProfileSpec) -> Any:
-        profile = None if spec is None else resolve_profile(spec, self)
-        unusable = self._unusable_here(profile)
-        use_device = torch.cuda.device(self.device) if self.device is not None and self.device.type == "cuda" \
-            else contextlib.nullcontext()
-        # Every rank compares, whatever it was given (None included): a rank with a profile would otherwise wait
-        # forever in group creation while one without it trains on. Over the whole world, because group creation
-        # is too; a state of a subgroup that was given no profile creates no group and compares within its group
-        # (the other ranks may never build one). A rank that cannot run the profile (its NCCL lacks an algorithm)
-        # shows a digest of its own, so every rank fails here together.
-        agreement_group = self.group if spec is None and self.group is not dist.group.WORLD else dist.group.WORLD
-        with use_device:  # NCCL's collectives here run on the current device: make it the model's
-            check_profile_agreement(profile if unusable is None else unusable, agreement_group,
-                                    given=_describe_spec(spec))
-            check_wire_agreement(self.wire.name, self.group)
-            if unusable is not None:
-                raise unusable.error
-            if profile is not None:
-                self.algorithm_groups = make_algorithm_groups(profile.algorithms(), self.group)
-        return profile
-
-    def _unusable_here(self, profile: Any) -> Optional["_UnusableProfile"]:
-        """None when this rank's NCCL can run every algorithm of ``profile``; else why not."""
-        if profile is None or self.backend != "nccl":
-            return None
-        try:
-            check_nccl_support(profile.algorithms(), nccl_version())
-        except RuntimeError as exc:
-            return _UnusableProfile(exc)
-        return None
+    # ---- buckets ------------------------------------------------------------------------------------------------
 
     def bucket_comm(self, bucket: Any) -> BucketComm:
         """This bucket's bound path: made when its buffer is first seen, reused while it lives (and counted in the
@@ -247,7 +241,7 @@ class CommState:
         if entry is None or not entry.valid:  # new, or its residuals moved to another layout: bind (again)
             # Binding may issue collectives (a lazy state's agreement, the residuals' re-slice): in the one order.
             with self.exchanges.ordered():
-                entry = self.buckets[id(buffer)] = self._bind(buffer, bucket)
+                entry = self.buckets[id(buffer)] = self._bind_bucket(buffer, bucket)
         entry.last_used = self._passes
         return entry
 
@@ -260,16 +254,21 @@ class CommState:
             for key in [k for k, e in self.buckets.items() if e.last_used < oldest]:
                 del self.buckets[key]
 
-    def _bind(self, buffer: torch.Tensor, bucket: Any) -> BucketComm:
+    def latest_pass(self) -> List[BucketComm]:
+        """The buckets of the latest backward pass counted, in the order the state holds them."""
+        last = self._passes - 1
+        return [e for e in self.buckets.values() if e.last_used == last]
+
+    def _bind_bucket(self, buffer: torch.Tensor, bucket: Any) -> BucketComm:
         if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
             # Binding allocates, and may zero residuals or run collectives: kernels a graph would replay each step.
             raise RuntimeError("triton_hook: a bucket was first seen during CUDA graph capture; run eager steps "
                                "before capturing (torch's recipe for DDP: at least 11) so that every bucket binds "
                                "outside the graph, DDP's rebuilt buckets included")
-        if not self._attached:  # built before init_process_group, or restored: binds here, off the per-step path
+        if not self._bound:  # built before init_process_group, or restored: binds here, off the per-step path
             if self.device is None and buffer.is_cuda:
                 self.device = buffer.device
-            self._attach()
+            self._bind_group()
         return bind_bucket(buffer, bucket, wire=self.wire, group=self.group, world_size=self.world_size,
                            backend=self.backend, pre_scale=self.pre_scale, post_scale=self.post_scale,
                            grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
@@ -298,19 +297,36 @@ class CommState:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of all averaged gradients of the latest synchronising backward (``grad_stats=True``): a 0-dim
         float32 tensor on the gradients' device, computed from the unpack's statistics without a host sync."""
-        return _grad_norm(self)
+        return stats.grad_norm(self._with_stats())
 
     def found_inf(self) -> torch.Tensor:
         """1.0 if any averaged gradient of the latest synchronising backward is inf or NaN, else 0.0 (0-dim float32,
         on the gradients' device, no host sync; ``grad_stats=True``)."""
-        return _found_inf(self)
+        return stats.found_inf(self._with_stats())
+
+    def cannot_vouch(self, model: Any, norm_type: float = 2.0) -> Optional[str]:
+        """None when ``grad_norm()`` is the norm torch's ``clip_grad_norm_`` would compute over ``model``'s gradients
+        (a module, or its parameters); else why not (``grad_stats.cannot_vouch``)."""
+        entries = self.latest_pass()
+        return stats.cannot_vouch(model, entries, self._passes - 1, self._why_no_stats(entries), norm_type)
+
+    def _why_no_stats(self, entries: List[BucketComm]) -> Optional[str]:
+        return stats.why_no_stats(self.grad_stats, self.per_parameter_calls, entries)
+
+    def _with_stats(self) -> List[BucketComm]:
+        entries = self.latest_pass()
+        reason = self._why_no_stats(entries)
+        if reason is not None:
+            raise RuntimeError(f"no gradient statistics: {reason}")
+        return entries
 
     def summary(self) -> Summary:
         """Per bucket of the latest backward: bytes, bytes on the wire per format, algorithm group, wire format and,
         with ``timing=True``, pack/comm/unpack times (read back now). ``print`` it for a table."""
-        return summarize(self, pass_entries(self))
+        return summarize(self.latest_pass(), passes=self._passes, world_size=self.world_size, backend=self.backend,
+                         timing=self.timing)
 
-    # ---- error-feedback residuals -------------------------------------------------------------------------------
+    # ---- error-feedback residuals (residuals.py) ------------------------------------------------------------------
 
     def name_parameters(self, module: torch.nn.Module) -> None:
         """Name the residuals' parameters after ``module``'s (``register`` and ``reattach`` do this with the DDP
@@ -324,7 +340,7 @@ class CommState:
         """The error-feedback residuals by parameter name (empty without error feedback), to save with the model
         and optimizer. Collective: call on every rank; each rank's dict holds its own first-stage residuals, so
         save one per rank (as a sharded optimizer's). A state not bound yet gives what was loaded into it."""
-        if not self._attached:
+        if not self._bound:
             return self.residuals.state_dict(None, self._residual_settings())
         with self.exchanges.ordered():
             return self.residuals.state_dict(self.group, self._residual_settings())
@@ -332,7 +348,7 @@ class CommState:
     def all_ranks_state_dict(self) -> Dict[str, Any]:
         """``state_dict`` with every rank's first-stage residuals, the same dict on every rank: for checkpoints that
         one rank writes (Lightning's, Accelerate's). Collective; ``load_state_dict`` takes it on every rank."""
-        if not self._attached:
+        if not self._bound:
             raise ValueError("all_ranks_state_dict needs a bound state (it gathers from every rank)")
         with self.exchanges.ordered():
             return self.residuals.all_ranks_state_dict(self.group, self._residual_settings())
@@ -342,7 +358,7 @@ class CommState:
         layout (a fresh DDP model's constructor order included). Checks everything first (format, rank and world
         size, names, sizes, dtype) and raises one ValueError naming the mismatch, leaving the state as it was; a
         state not bound yet checks the rank and world size when it binds."""
-        self.residuals.load_state_dict(saved, self.group if self._attached else None, self._residual_settings())
+        self.residuals.load_state_dict(saved, self.group if self._bound else None, self._residual_settings())
         self.buckets.clear()
 
 
@@ -377,24 +393,6 @@ def check_options(options: Dict[str, Any]) -> WireFormat:
         raise TypeError(f"process_group must be None or a torch.distributed ProcessGroup, got "
                         f"{type(group).__name__}")
     return wire
-
-
-def _describe_spec(spec: ProfileSpec) -> str:
-    if spec is None or isinstance(spec, str):
-        return f"profile={spec!r}"
-    if isinstance(spec, os.PathLike):
-        return f"profile={os.fspath(spec)!r}"
-    return f"profile={type(spec).__name__}"
-
-
-class _UnusableProfile:
-    """Stands for a profile this rank cannot run, in the ranks' comparison of profiles."""
-
-    def __init__(self, error: RuntimeError) -> None:
-        self.error = error
-
-    def digest(self) -> str:
-        return ("unusable-" + hashlib.sha256(str(self.error).encode()).hexdigest())[:64]
 
 
 _default_states: Dict[int, CommState] = {}

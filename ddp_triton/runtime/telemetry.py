@@ -299,14 +299,15 @@ def elapsed_ms(marks: Optional[list]) -> Optional[float]:
     return start.elapsed_time(end)
 
 
-def summarize(state: Any, entries: List[Any]) -> Summary:
-    """The summary of ``entries`` (BucketComm, the latest pass's), from ``state``'s settings."""
-    backend = getattr(state, "backend", None)
+def summarize(entries: List[Any], *, passes: int, world_size: Optional[int], backend: Optional[str],
+              timing: bool) -> Summary:
+    """The summary of ``entries`` (BucketComm, a state's latest pass) of a state that has averaged ``passes`` passes
+    over ``world_size`` ranks on ``backend``, with ``timing`` on or off."""
     rows = []
     for e in sorted(entries, key=lambda e: (e.record.index is None, e.record.index or 0)):
         record: BucketRecord = e.record
         algorithm = e.algorithm or ("NCCL's choice" if backend == "nccl" else (backend or "-"))
-        timed = record.clock is not None and state.timing
+        timed = record.clock is not None and timing
         rows.append(BucketSummary(
             index=record.index, dtype=wire_name(e.buffer.dtype), elements=e.buffer.numel(),
             bucket_bytes=e.buffer.numel() * e.buffer.element_size(), wire_format=record.wire_format,
@@ -317,7 +318,6 @@ def summarize(state: Any, entries: List[Any]) -> Summary:
             unpack_ms=elapsed_ms(record.marks.get("unpack")) if timed else None,
         ))
     clocks = {e.record.clock for e in entries if e.record.clock is not None}
-    clock = (clocks.pop() if len(clocks) == 1 else "mixed") if clocks and state.timing else None
-    return Summary(buckets=rows, passes=state._passes, world_size=getattr(state, "world_size", None),
-                   backend=backend, clock=clock)
+    clock = (clocks.pop() if len(clocks) == 1 else "mixed") if clocks and timing else None
+    return Summary(buckets=rows, passes=passes, world_size=world_size, backend=backend, clock=clock)
 

@@ -21,7 +21,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.runtime.grad_stats import cannot_vouch
 from test_hook import IN, OUT, TwoDtypes, local_backward, local_slice, make_data, make_model, torch_path_workers
 
 TORCH_CLIP = torch.nn.utils.clip_grad_norm_
@@ -62,7 +61,7 @@ def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, para
     """The state vouches, its norm is the gradients' norm, and its clip is torch's without calling torch's.
     ``params``: a function giving what to clip, as torch's clip takes it (default: the DDP model itself)."""
     target = ddp if params is None else params()
-    assert cannot_vouch(ddp, state) is None, cannot_vouch(ddp, state)
+    assert state.cannot_vouch(ddp) is None, state.cannot_vouch(ddp)
     norm = state.grad_norm()
     assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.device == next(ddp.parameters()).device
     if scaler is None:
@@ -79,7 +78,7 @@ def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, para
 def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None):
     """The state declines (saying ``reason``) and clip_grad_norm_ is torch's, with torch's results."""
     target = ddp if params is None else params()
-    why = cannot_vouch(params() if params is not None else ddp, state, norm_type) if state is not None \
+    why = state.cannot_vouch(params() if params is not None else ddp, norm_type) if state is not None \
         else "no CommState"
     assert why is not None and reason in why, why
     expected_norm, expected_grads = torch_reference(ddp, max_norm, norm_type)
@@ -191,7 +190,7 @@ def _non_finite(rank, world_size):
         loss = nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
         (loss * (poison if rank == world_size - 1 else 1.0)).backward()  # the last rank's gradients only
         assert float(state.found_inf()) == 1.0, "every rank sees the non-finite average"
-        assert cannot_vouch(ddp, state) is None
+        assert state.cannot_vouch(ddp) is None
         ours = state.grad_norm()
         theirs, _ = torch_reference(ddp, 1.0)
         assert not math.isfinite(float(ours)) and math.isnan(float(ours)) == math.isnan(float(theirs))

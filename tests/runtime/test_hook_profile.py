@@ -102,10 +102,10 @@ def test_when_the_collective_averages(backend, on_cuda, comm, bucket, algorithm,
 
 
 def _unusable_worker(rank, world_size):
-    from ddp_triton.runtime import state
+    from ddp_triton.runtime import profile_choice
 
     if rank == 1:  # this rank's NCCL cannot run the profile (patched in this worker process only)
-        state.CommState._unusable_here = lambda self, profile: state._UnusableProfile(
+        profile_choice._unusable_here = lambda profile, backend: profile_choice._UnusableProfile(
             RuntimeError("the tuning profile uses 'nvls', which needs NCCL >= 2.17.1"))
     with pytest.raises(RuntimeError, match="ranks disagree on the tuning profile"):
         ddp_triton.CommState(comm_dtype=torch.float32, profile=two_range_profile(world_size))
@@ -116,18 +116,15 @@ def test_a_rank_that_cannot_run_the_profile_fails_every_rank():
 
 
 def test_unusable_profile_detected_on_nccl(monkeypatch):
-    from types import SimpleNamespace
-
-    from ddp_triton.runtime.state import CommState
+    from ddp_triton.runtime.profile_choice import _unusable_here
 
     nvls = Profile(source="model", backend="model", world_size=2, nodes=1, comm_dtype="float32", bucket_cap_mb=1.0,
                    table=[TableEntry(0, None, "nvls")])
-    nccl_rank = SimpleNamespace(backend="nccl")
-    assert CommState._unusable_here(nccl_rank, nvls) is None
+    assert _unusable_here(nvls, "nccl") is None
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLS switched off on this rank
-    unusable = CommState._unusable_here(nccl_rank, nvls)
+    unusable = _unusable_here(nvls, "nccl")
     assert unusable is not None and "NCCL_NVLS_ENABLE" in str(unusable.error) and len(unusable.digest()) == 64
-    assert CommState._unusable_here(SimpleNamespace(backend="gloo"), nvls) is None  # gloo runs no NCCL algorithm
+    assert _unusable_here(nvls, "gloo") is None  # gloo runs no NCCL algorithm
 
 
 def _mixed_specs_worker(rank, world_size, tmp, specs):
