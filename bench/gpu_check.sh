@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # One pass of every GPU check, for one call on a fresh machine with one CUDA GPU (the lent H200 in particular), most
 # valuable first: the kernel benchmark (buckets of 1 to 400 MiB, GPT-2's gradient list, host cost per call, CUDA
-# graph replay), the GPU-tier tests, the DDP-step benchmark, the autotuner's measure mode at world size 1. The
-# benchmarks append to bench/RESULTS.md.
+# graph replay), a profile of the DDP step without a hook and with triton_hook (per-bucket host times, the GPU's idle
+# gaps in the backward, chrome traces), the DDP step of a GPT-2-small-shaped transformer in bf16 autocast under each
+# hook, the GPU-tier tests, the DDP-step benchmark of the MLP, the wire formats' kernels and DDP steps, the
+# autotuner's measure mode at world size 1. The timed benchmarks append to bench/RESULTS.md (the profile does not).
 #
 #   bash bench/gpu_check.sh            # at most 540 s, install included (TOTAL below)
 #
 # Each step runs under the time left (its own limit or less), its exit status is kept, and after every step the
-# results so far are copied to $OUT, so a run cut short still brings back whatever finished. At most 8 files come
-# back from the lent machine, so the logs travel as one archive: $OUT/gpu_check.tgz (every log, JSON and the
-# profile), $OUT/summary.txt, $OUT/RESULTS.md and the two benchmark JSONs.
+# results so far are copied to $OUT, so a run cut short still brings back whatever finished. A limit is a ceiling
+# for a step that usually ends well inside it; together they exceed TOTAL, and the steps a slow run loses to the
+# deadline are the last, least valuable ones. At most 8 files come back from the lent machine, so the logs travel as
+# one archive: $OUT/gpu_check.tgz (every log, JSON, chrome trace and the autotune profile), $OUT/summary.txt,
+# $OUT/RESULTS.md and one JSON per benchmark (JSONS below; the wire-format step run writes into a folder of its own,
+# so that its JSON travels in the archive only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/out}"
@@ -22,6 +27,9 @@ KILL_GRACE=5
 
 summary=()
 failed=0
+# The benchmark JSONs copied to $OUT as files of their own (<name>-<time>.json, one each): with summary.txt,
+# RESULTS.md and the archive, 8 files.
+JSONS=(kernels ddp_profile ddp_step_gpt2 ddp_step wire_kernels)
 
 # publish: what has finished so far, to $OUT (overwritten after each step).
 publish() {
@@ -30,7 +38,10 @@ publish() {
     printf '%s\n' "${summary[@]}"
   } >"$work/summary.txt"
   cp "$work/summary.txt" bench/RESULTS.md "$out/"
-  cp "$work"/kernels-*.json "$work"/ddp_step-*.json "$work"/wire_kernels-*.json "$out/" 2>/dev/null
+  local name
+  for name in "${JSONS[@]}"; do
+    cp "$work/$name"-*.json "$out/" 2>/dev/null
+  done
   tar czf "$out/gpu_check.tgz" -C "$work" .
 }
 
@@ -69,22 +80,32 @@ step install 60 5 python3 -m pip install -q --no-deps --no-build-isolation -e . 
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$work/gpu.txt"
 
-step kernels 210 90 python3 -m bench.kernels --sweep --out-dir "$work"
+step kernels 140 90 python3 -m bench.kernels --sweep --out-dir "$work"
+
+# Where the hook's extra time in the MLP's step goes: 10 profiled steps per variant and bucket view, a table per
+# bucket (host time in the hook, its pack, the collective's call, the unpack; the GPU's idle time meanwhile) and a
+# chrome trace each (in the archive only).
+step ddp_profile 75 60 python3 -m bench.ddp_step --profile --variants no_hook,triton_hook_bf16 --steps 10 --rounds 1 \
+  --out-dir "$work"
+# A transformer's step (GPT-2 small's shape, batch 8 x 1024 tokens, bf16 autocast) under each hook.
+step ddp_gpt2 90 18 python3 -m bench.ddp_step --model gpt2 \
+  --variants no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,triton_hook_fp32 --rounds 3 --steps 30 \
+  --out-dir "$work"
 
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
-step gpu_tests 130 20 python3 -m pytest -q -m gpu "${per_test[@]}" tests
+step gpu_tests 110 20 python3 -m pytest -q -m gpu "${per_test[@]}" tests
 
-step ddp_step 80 16 python3 -m bench.ddp_step --out-dir "$work"
+step ddp_step 60 16 python3 -m bench.ddp_step --out-dir "$work"
 
-# The wire formats (issue 12): their kernels against the copy ceiling, and a DDP step with each at world size 1
-# (NCCL's all-to-all and all-gather over one rank: the kernels' cost in a step, not a network's).
+# The wire formats: their kernels against the copy ceiling, and a DDP step with each at world size 1 (NCCL's
+# all-to-all and all-gather over one rank: the kernels' cost in a step, not a network's).
 step wire_kernels 40 12 python3 -m bench.wire_kernels --out-dir "$work"
-step ddp_wire 60 12 python3 -m bench.ddp_step --out-dir "$work" --rounds 3 \
+step ddp_wire 45 12 python3 -m bench.ddp_step --out-dir "$work/wire" --rounds 3 \
   --variants no_hook,triton_hook_bf16,triton_hook_bf16_fp32sum,triton_hook_fp8,triton_hook_fp8_no_ef
 
 # Its own cache folder, so that nothing later is steered by this profile.
-XDG_CACHE_HOME="$work/cache" step autotune 60 15 python3 -m ddp_triton.cli autotune --min-bytes 1K --max-bytes 64M \
+XDG_CACHE_HOME="$work/cache" step autotune 40 15 python3 -m ddp_triton.cli autotune --min-bytes 1K --max-bytes 64M \
   --iters 5 --no-progress --out "$work/profile.json"
 
 cat "$work/summary.txt"

@@ -8,6 +8,7 @@ GPU, never in tests. The wire-format tests check properties of their quick runs 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, tmp_path):
+def run(args, tmp_path, saved_as="*.json"):
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-m", *args, "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    (saved,) = tmp_path.glob("*.json")
+    (saved,) = tmp_path.glob(saved_as)
     return out.stdout, json.loads(saved.read_text())
 
 
@@ -37,6 +38,145 @@ def test_ddp_step_benchmark_smoke(tmp_path):
     variants = {(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]}
     assert ("triton_hook_bf16", True) in variants and ("no_hook", False) in variants
     assert any("bf16_compress_hook skipped" in n for n in data["notes"])
+
+
+def test_ddp_step_gpt2_smoke(tmp_path):
+    stdout, data = run(["bench.ddp_step", "--small", "--model", "gpt2", "--steps", "2", "--warmup", "1", "--rounds",
+                        "1", "--variants", "no_hook,triton_hook_bf16,triton_hook_bf16_clip_state", "--no-results"],
+                       tmp_path, "ddp_step_gpt2-*.json")
+    env = data["env"]
+    assert env["model"] == "gpt2" and env["tied_embeddings"] is True and env["autocast"] is None  # CPU: float32
+    assert env["gpt2_config"] == {"layers": 2, "d_model": 64, "heads": 4, "mlp": 256, "vocab": 256, "context": 32}
+    # embeddings 256*64 + 32*64, 2 blocks of 49984 (LayerNorms, QKV, projection, MLP), final LayerNorm; head tied
+    assert env["parameters"] == 256 * 64 + 32 * 64 + 2 * 49984 + 128
+    assert (env["batch"], env["seq"]) == (2, 32)
+    assert {(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]} == {
+        (v, view) for v in ("no_hook", "triton_hook_bf16", "triton_hook_bf16_clip_state") for view in (False, True)}
+    assert all(r["steps"] == 2 and r["median_ms"] > 0 for r in data["rows"])
+    assert not any("fell back" in n for n in data["notes"])  # the clip variant clipped from the state
+    assert "saved" in stdout
+
+
+def _profiles_every_thread():
+    import torch
+
+    try:
+        torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # torch before profile_all_threads
+        return False
+    return True
+
+
+def test_ddp_step_profile_smoke(tmp_path):
+    stdout, data = run(["bench.ddp_step", "--small", "--profile", "--variants", "no_hook,triton_hook_bf16",
+                        "--steps", "2", "--warmup", "1"], tmp_path, "ddp_profile-*.json")
+    assert data["mode"] == "profile" and data["env"]["profiled_steps"] == 2
+    profiles = {(p["variant"], p["gradient_as_bucket_view"]): p for p in data["profiles"]}
+    assert set(profiles) == {(v, view) for v in ("no_hook", "triton_hook_bf16") for view in (False, True)}
+    traces = {p.name for p in tmp_path.glob("ddp_trace-*.json")}
+    assert traces == {p["trace"] for p in profiles.values()}
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in traces)
+    for (variant, _), prof in profiles.items():
+        assert prof["steps"] == 2 and prof["gpu"] is False and prof["buckets"]
+        assert prof["step"]["gpu_idle_backward_us"] is None and prof["step"]["backward_us"] > 0
+        assert "DistributedDataParallel.forward" in prof["ddp_ranges"]
+        for row in prof["buckets"]:
+            assert row["gpu_idle_in_hook_us"] is None and row["collective_us"] > 0 and row["steps"] == 2
+            if variant == "no_hook":  # DDP's own all-reduce: no hook, no pack or unpack
+                assert row["hook_us"] is row["pack_us"] is row["unpack_us"] is None
+            else:  # at world size 1 gloo completes the all-reduce at once: the unpack runs inside the hook
+                assert row["hook_us"] > 0 and row["pack_us"] > 0 and row["unpack_us"] > 0
+        assert prof["all_threads"] is _profiles_every_thread()
+    assert len(data["rows"]) == sum(len(p["buckets"]) for p in data["profiles"])
+    assert len(data["tables"]["buckets"]) == 4 and "GPU idle bwd us" in data["tables"]["steps"]
+    assert "n/a" in stdout
+
+
+def _trace(*events):
+    """A chrome trace of complete events: (cat, name, ts, dur, tid[, args])."""
+    out = []
+    for cat, name, ts, dur, tid, *args in events:
+        gpu = cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+        out.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0 if gpu else 100,
+                    "tid": tid, "args": args[0] if args else {}})
+    return {"traceEvents": out + [{"ph": "M", "name": "process_name", "pid": 100, "tid": 0, "args": {}}]}
+
+
+def _cuda_step(t0, hook0_dur):
+    """One profiled step on CUDA, shifted by t0: triton_hook's ranges for bucket 0, torch's hook for bucket 1."""
+    def e(cat, name, ts, dur, tid, args=None):
+        return (cat, name, t0 + ts, dur, tid, args or {})
+
+    return [
+        e("user_annotation", "ddp_step.step", 0, 10000, 1),
+        e("user_annotation", "ddp_step.forward", 10, 1990, 1),
+        e("user_annotation", "DistributedDataParallel.forward", 20, 1480, 1),
+        e("cuda_runtime", "cudaLaunchKernel", 100, 5, 1, {"correlation": t0 + 10}),
+        e("kernel", "forward_gemm", 150, 1750, 7, {"correlation": t0 + 10}),
+        e("user_annotation", "ddp_step.backward", 2000, 6000, 1),
+        e("cuda_runtime", "cudaLaunchKernel", 2100, 5, 2, {"correlation": t0 + 1}),
+        e("kernel", "a", 2200, 400, 7, {"correlation": t0 + 1}),
+        e("cuda_runtime", "cudaLaunchKernel", 2500, 5, 2, {"correlation": t0 + 2}),
+        e("kernel", "b", 2700, 300, 7, {"correlation": t0 + 2}),
+        e("user_annotation", "ddp_step.hook bucket 0", 3000, hook0_dur, 2),
+        e("user_annotation", "ddp_triton.pack bucket 0 (1 MiB)", 3010, 40, 2),
+        e("cuda_driver", "cuLaunchKernel", 3040, 5, 2, {"correlation": t0 + 3}),
+        e("kernel", "pack", 3100, 50, 7, {"correlation": t0 + 3}),
+        e("user_annotation", "ddp_triton.all_reduce bucket 0 (1 MiB)", 3060, 140, 2),
+        e("cpu_op", "c10d::allreduce_", 3070, 120, 2),
+        e("kernel", "ncclDevKernel_AllReduce_Sum_f32", 3100, 400, 20, {"correlation": t0 + 9}),
+        e("user_annotation", "ddp_triton.unpack bucket 0 (1 MiB)", 3210, 80, 2),
+        e("kernel", "unpack_seen_by_no_launch_record", 3400, 100, 7),
+        e("user_annotation", "ddp_step.hook bucket 1", 5000, 100, 2),
+        e("cpu_op", "c10d::allreduce_", 5010, 80, 2),
+        e("cuda_runtime", "cudaLaunchKernel", 7000, 5, 2, {"correlation": t0 + 5}),
+        e("kernel", "e", 7100, 200, 7, {"correlation": t0 + 5}),
+        e("gpu_user_annotation", "ddp_step.backward", 2000, 6000, 7),
+        e("cpu_op", "torch.distributed.ddp.reducer::copy_bucket_to_grad", 7900, 50, 2),
+        e("user_annotation", "ddp_step.optimizer", 8050, 500, 1),
+        e("cuda_runtime", "cudaLaunchKernel", 8100, 5, 1, {"correlation": t0 + 6}),
+        e("kernel", "sgd", 8200, 100, 7, {"correlation": t0 + 6}),
+    ]
+
+
+def test_ddp_step_profile_reads_a_cuda_trace():
+    """The GPU columns, from a synthetic trace shaped like the profiler's on CUDA (no GPU here to make one)."""
+    ddp_step = _import_bench("ddp_step")
+    result = ddp_step.analyse_trace(_trace(*_cuda_step(0, 300), *_cuda_step(20000, 500)))
+    assert result["steps"] == 2 and result["gpu"] is True
+    step = result["step"]
+    assert step["compute_stream"] == "device 0 7"  # the NCCL stream is never the compute stream
+    # backward span on stream 7: from kernel a (first launched in the backward) to sgd (first launched after it);
+    # gaps a-b 100, b-pack 100, pack-unpack 250, unpack-e 3600; sgd and the forward's kernel are outside
+    assert step["gpu_idle_backward_us"] == 4050 and step["gpu_gaps_backward"] == 4
+    assert step["gpu_busy_backward_us"] == 400 + 300 + 50 + 100 + 200 and step["gpu_events_backward"] == 5
+    assert step["step_ms"] == 10 and step["backward_us"] == 6000 and step["buckets"] == 2
+    b0, b1 = result["buckets"]
+    assert (b0["bucket"], b0["hook_us"], b0["pack_us"], b0["collective_us"], b0["unpack_us"]) == (0, 400, 40, 140, 80)
+    # idle while in bucket 0's hook: 3000-3100 and 3150-3300 (hook of 300 us), then 3000-3100 and 3150-3400 (500 us)
+    assert b0["gpu_idle_in_hook_us"] == (250 + 350) / 2 and b0["steps"] == 2
+    # torch's hook style: the collective is the c10d call inside the hook range; no pack or unpack ranges
+    assert (b1["hook_us"], b1["pack_us"], b1["collective_us"], b1["unpack_us"]) == (100, None, 80, None)
+    assert b1["gpu_idle_in_hook_us"] == 100
+    assert result["ddp_ranges"] == {"DistributedDataParallel.forward": 1480,
+                                    "torch.distributed.ddp.reducer::copy_bucket_to_grad": 50}
+
+
+def test_ddp_step_profile_without_a_hook_counts_the_reducers_calls():
+    """No hook: the reducer's top-level c10d calls in the backward are buckets 0, 1, ... in order; no GPU events."""
+    ddp_step = _import_bench("ddp_step")
+    result = ddp_step.analyse_trace(_trace(
+        ("user_annotation", "ddp_step.step", 0, 1000, 1),
+        ("cpu_op", "c10d::broadcast_", 10, 5, 1),  # before the backward: not a bucket
+        ("user_annotation", "ddp_step.backward", 100, 800, 1),
+        ("cpu_op", "c10d::allreduce_", 200, 30, 1),
+        ("cpu_op", "c10d::allreduce_", 205, 10, 1),  # nested in the call above: the same call
+        ("cpu_op", "c10d::allreduce_", 500, 20, 1),
+    ))
+    assert result["gpu"] is False and result["step"]["gpu_idle_backward_us"] is None
+    assert [(b["bucket"], b["collective_us"], b["hook_us"], b["gpu_idle_in_hook_us"]) for b in result["buckets"]] == [
+        (0, 30, None, None), (1, 20, None, None)]
+    assert ddp_step.bucket_table(result).count("n/a") == 2
 
 
 def test_kernels_benchmark_says_so_without_a_gpu():
