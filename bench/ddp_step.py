@@ -26,6 +26,9 @@ with the norm the unpack computed, ``grad_stats=True``) against "hook + torch cl
 step is synchronised, so the time includes the all-reduces); the variants take turns in rounds, so that a slow
 patch of the machine does not land on one of them. At world size 1 the all-reduce is nearly free and the
 differences are the hooks' own cost. torch refuses bf16_compress_hook outside NCCL, so on gloo it is skipped.
+``triton_hook_bf16_graph`` ("graph") is the whole step (zero_grad, forward, backward with triton_hook in bfloat16,
+SGD) captured in one CUDA graph by torch's recipe for DDP and timed per replay, against the eager step without a
+hook ("x no hook"): the host's share of a step, gone (CUDA and the MLP only).
 
 ``--profile`` times nothing: for one variant at a time (each bucket view), after ``--warmup`` steps and one step of
 the profiler's own warm-up it records ``--steps`` steps (5 unless given; ``--rounds`` does not apply) under
@@ -79,7 +82,7 @@ from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 CLIP_MAX_NORM = 1e-3
 
 DEFAULT_VARIANTS = ("no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,triton_hook_fp32,"
-                    "triton_hook_bf16_clip_state,triton_hook_bf16_clip_torch")
+                    "triton_hook_bf16_clip_state,triton_hook_bf16_clip_torch,triton_hook_bf16_graph")
 
 
 # ---- models ----------------------------------------------------------------------------------------------------------
@@ -715,15 +718,65 @@ def step_table(results: Sequence[Dict[str, Any]]) -> str:
 # ---- main ------------------------------------------------------------------------------------------------------------
 
 
-def variants_to_run(variants: str, backend: str, notes: List[str]) -> List[str]:
-    """The requested variants this backend can run (bf16_compress_hook only on NCCL, as torch insists)."""
+#: Variants whose whole step (zero_grad, forward, backward with the hook, SGD) is one CUDA graph, and their options.
+GRAPH_VARIANTS = {"triton_hook_bf16_graph": dict(comm_dtype=torch.bfloat16)}
+#: torch's recipe for capturing DDP: at least this many eager steps first.
+GRAPH_WARMUP = 11
+
+
+def variants_to_run(variants: str, backend: str, notes: List[str], device: torch.device,
+                    model: str) -> List[str]:
+    """The requested variants this backend can run (bf16_compress_hook only on NCCL, as torch insists; graphs only
+    on CUDA, and only for the MLP: GPT-2's autocast caches casts, which a graph cannot hold)."""
     out = []
     for variant in variants.split(","):
         if variant == "bf16_compress_hook" and backend != "nccl":
             notes.append(f"bf16_compress_hook skipped: torch allows it on NCCL only (backend {backend})")
             continue
+        if variant in GRAPH_VARIANTS and (device.type != "cuda" or model != "mlp"):
+            notes.append(f"{variant} skipped: a CUDA graph of the step needs a GPU and the MLP workload")
+            continue
         out.append(variant)
     return out
+
+
+def captured_step(base: nn.Module, loss: Callable[[nn.Module], torch.Tensor], device: torch.device, gabv: bool,
+                  options: Dict[str, Any]) -> Callable[[], None]:
+    """The whole step with triton_hook captured in one CUDA graph, by torch's recipe for DDP (README, "The whole
+    step in one CUDA graph"): DDP built on the capture stream, eager warm-up, then capture; returns the replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        ddp = DDP(copy.deepcopy(base), device_ids=[device.index], gradient_as_bucket_view=gabv)
+        ddp_triton.register(ddp, **options)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=False)  # the gradients stay where the graph writes them
+            loss(ddp).backward()
+            opt.step()
+
+        for _ in range(GRAPH_WARMUP):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    return graph.replay
+
+
+def time_calls(call: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
+    """Milliseconds of each of ``steps`` synchronised calls (graph replays), after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        call()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],
@@ -732,16 +785,20 @@ def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device
     rows: List[Dict[str, Any]] = []
     for gabv in views:
         models = []
-        for variant in variants_to_run(args.variants, backend, notes):
-            ddp = make_ddp(work.model, device, gabv)
-            clip = register(ddp, variant, notes)
-            models.append((variant, ddp, clip, []))
+        for variant in variants_to_run(args.variants, backend, notes, device, work.env["model"]):
+            if variant in GRAPH_VARIANTS:
+                replay = captured_step(work.model, work.loss, device, gabv, GRAPH_VARIANTS[variant])
+                timer = functools.partial(time_calls, replay)
+            else:
+                ddp = make_ddp(work.model, device, gabv)
+                clip = register(ddp, variant, notes)
+                timer = functools.partial(time_steps, ddp, work.loss, clip=clip)
+            models.append((variant, timer, []))
         # Rounds, each variant in turn: a slow patch of the machine (clocks, another tenant) hits them all alike.
         for round_ in range(args.rounds):
-            for _, ddp, clip, times in models:
-                times += time_steps(ddp, work.loss, max(1, args.steps // args.rounds),
-                                    args.warmup if round_ == 0 else 2, device, clip)
-        for variant, _, _, times in models:
+            for _, timer, times in models:
+                times += timer(max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2, device)
+        for variant, _, times in models:
             rows.append({"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
                          "min_ms": min(times), "steps": len(times)})
         del models
@@ -763,7 +820,10 @@ def run_profiles(args: argparse.Namespace, work: Workload, device: torch.device,
     out_dir.mkdir(parents=True, exist_ok=True)
     results: List[Dict[str, Any]] = []
     for gabv in views:
-        for variant in variants_to_run(args.variants, backend, notes):
+        for variant in variants_to_run(args.variants, backend, notes, device, work.env["model"]):
+            if variant in GRAPH_VARIANTS:  # a replay runs no Python: nothing per bucket to attribute
+                notes.append(f"{variant} not profiled: its step is one graph replay")
+                continue
             ddp = make_ddp(work.model, device, gabv)
             range_hooks(ddp)
             clip = register(ddp, variant, notes)
@@ -838,6 +898,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be at least 1")
 
+    if any(v in GRAPH_VARIANTS for v in args.variants.split(",")):
+        # torch's recipe for capturing DDP in a CUDA graph: NCCL's async error handling off, before the group exists
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     work = make_workload(args.model, args.small, args.batch, args.seq, device, world)
