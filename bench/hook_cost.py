@@ -22,9 +22,11 @@ In a real job with 25 MB buckets the byte term dominates per bucket, and ``h`` m
 How: DDP at world size 1 on gloo (a FileStore, no port), one intra-op thread, one DDP instance per variant built
 identically from one model. After warm-up (DDP rebuilds its buckets after the first backward; the hooks allocate
 their buffers at the new buckets), the variants take turns in rounds, each timed over ``--steps`` steps per round
-(garbage collection off inside a timed block), in an order rotated every round; a variant's step time is the median
-over rounds (the JSON's rows also give every round's time and the fastest round, which other load on the machine
-disturbs least). CPU tensors take the kernels' torch path (``kernels/torch_path.py``, ``kernels/torch_wire.py``), the
+(garbage collection off inside a timed block), in an order rotated every round. A variant's extra time per bucket
+is the median over rounds of its step time minus the no-hook step time of the same round, and a ratio the median
+over rounds of the two variants' extra times in the same round: pairs taken minutes apart at most, where this
+machine's speed drifts by tens of percent over a run (the JSON's rows also give every round's time, the median step
+and the fastest round). CPU tensors take the kernels' torch path (``kernels/torch_path.py``, ``kernels/torch_wire.py``), the
 path a gloo job runs; Triton's interpreter, which ``TRITON_INTERPRET=1`` would select, is refused.
 
 torch refuses ``bf16_compress_hook`` by name outside NCCL (its check predates gloo's bfloat16 sums); the script
@@ -207,10 +209,16 @@ def run(layers: int, width: int, batch: int, rounds: int, steps: int, warmup: in
             per_round[key].append(time_block(steps_of[key], steps))
 
     step_ms = {k: statistics.median(ts) for k, ts in per_round.items()}
-    extra_us = {k: (ms - step_ms["no_hook"]) * 1e3 / buckets for k, ms in step_ms.items()}
+    # Paired by round: each variant against the no-hook block of its own round (minutes apart at most, while a
+    # machine's speed drifts by tens of percent over a run), then the median over rounds.
+    paired = {k: [(ms - base) * 1e3 / buckets for ms, base in zip(ts, per_round["no_hook"])]
+              for k, ts in per_round.items()}
+    extra_us = {k: statistics.median(xs) for k, xs in paired.items()}
 
     def ratio(ours: str, theirs: str) -> Optional[float]:
-        return extra_us[ours] / extra_us[theirs] if extra_us[theirs] > 0 else None
+        """The median over rounds of the two variants' extra times in the same round."""
+        per = [a / b for a, b in zip(paired[ours], paired[theirs]) if b > 0]
+        return statistics.median(per) if per else None
 
     result: Dict[str, Any] = {}
     rows = []
@@ -247,8 +255,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quick", action="store_true", help="50 buckets, 3 rounds of 3 steps (smoke run; noisy)")
     p.add_argument("--buckets", type=int, default=None, help="layers, one bucket each (default 200)")
-    p.add_argument("--rounds", type=int, default=None, help="the variants take turns this many times (default 9)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 8)")
+    p.add_argument("--rounds", type=int, default=None, help="the variants take turns this many times (default 15)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant first (default 5)")
     p.add_argument("--width", type=int, default=64, help="features of each Linear layer")
     p.add_argument("--batch", type=int, default=8)
@@ -261,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if INTERPRETER:
         p.error("Triton's interpreter is on (TRITON_INTERPRET was set when ddp_triton.kernels was imported): "
                 "it would time the interpreter, not the torch path a gloo job runs")
-    defaults = (50, 3, 3, 3) if args.quick else (200, 9, 8, 5)
+    defaults = (50, 3, 3, 3) if args.quick else (200, 15, 5, 5)
     layers, rounds, steps, warmup = (given if given is not None else default for given, default in
                                      zip((args.buckets, args.rounds, args.steps, args.warmup), defaults))
     if layers < 1 or rounds < 1 or steps < 1 or warmup < 2:
