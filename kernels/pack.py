@@ -181,9 +181,9 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float =
     """Check and plan :func:`pack` once; the returned callable repeats it for the same tensors with little host work.
 
     The callable keeps references to the tensors. Rebind when any tensor is reallocated. ``canonical_nan=False``
-    lets the torch path (CPU tensors) skip the pass that makes NaNs canonical, for an ``out`` whose NaNs only flow
-    into a sum (a wire buffer): a NaN then keeps the bits torch's conversion gives it. The kernel always writes them
-    canonical, at no cost.
+    lets the torch path (CPU tensors) skip the pass that makes NaNs canonical, for callers to whom a NaN is a NaN
+    (the hook: NCCL's and gloo's sums make NaNs of their own anyway): a NaN then keeps the bits torch's conversion
+    gives it, every other value the same bits. The kernel always writes them canonical, at no cost.
     """
     tensors, scale, nothing = _check_pack(tensors, out, scale)
     if nothing:
@@ -202,13 +202,15 @@ def bind_unpack(
     scale: float = 1.0,
     *,
     stats: Optional[torch.Tensor] = None,
+    canonical_nan: bool = True,
 ) -> Callable[[], None]:
-    """Check and plan :func:`unpack` once; the returned callable repeats it (see :func:`bind_pack`)."""
+    """Check and plan :func:`unpack` once; the returned callable repeats it (see :func:`bind_pack`, also for
+    ``canonical_nan``)."""
     tensors, scale, nothing = _check_unpack(flat, tensors, scale, stats)
     if nothing:
         return stats.zero_ if stats is not None else (lambda: None)
     if not uses_triton(flat.device):
-        return torch_path.bind_unpack(flat, tensors, scale, stats)
+        return torch_path.bind_unpack(flat, tensors, scale, stats, canonical_nan)
     plan = PLANS.get(tensors, flat, many_is_source=False)
     base = tensors[plan.many_base]
     dst = base.view(BITS_DTYPE[base.dtype])

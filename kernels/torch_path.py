@@ -86,11 +86,11 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float,
                            canonical_nan))
 
 
-def bind_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float,
-                stats: Optional[torch.Tensor]) -> Callable[[], None]:
+def bind_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, stats: Optional[torch.Tensor],
+                canonical_nan: bool = True) -> Callable[[], None]:
     """:func:`unpack` into these tensors, its views and branches decided once."""
     pairs = [(t.view(-1), flat[p:p + t.numel()]) for t, p in _positions(tensors)]
-    steps = _steps(pairs, scale, True)
+    steps = _steps(pairs, scale, canonical_nan)
     if stats is None:
         return _in_turn(steps)
     written = [dst for dst, _ in pairs]

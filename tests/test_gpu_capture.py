@@ -108,7 +108,7 @@ def test_binding_and_timing_under_capture_are_refused_with_a_reason():
     state = ddp_triton.CommState(profile=None, timing=True)  # no process group: unbound, binds at a first bucket
     with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
         with pytest.raises(RuntimeError, match="first seen during CUDA graph capture.*at least 11"):
-            state._bind(cuda_buffer, None)
+            state._bind_bucket(cuda_buffer, None)
         with pytest.raises(RuntimeError, match="timing=True.*CUDA graph"):
             telemetry.watch(True, SimpleNamespace(buffer=cuda_buffer))
         assert telemetry.watch(False, SimpleNamespace(buffer=cuda_buffer)) is None  # no timing: the plain path

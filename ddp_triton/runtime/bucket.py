@@ -213,10 +213,11 @@ def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: tor
                              dist.ReduceOp.AVG)
     in_place = comm_dtype == buffer.dtype
     wire_buffer = buffer if in_place else torch.empty(buffer.numel(), dtype=comm_dtype, device=buffer.device)
-    # NaNs in the wire buffer only flow into sums, and the unpack writes every NaN canonical: the pack need not.
+    # A NaN is a NaN to the hook (NCCL's and gloo's sums make NaNs of their own bits anyway): on CPU tensors, no pass
+    # to rewrite them canonical (the kernels on the GPU do, at no cost).
     pack = kernels.bind_pack([buffer], wire_buffer, pre_scale, canonical_nan=False)
     # In place at scale 1 the unpack does nothing without stats, and is the stats pass with them.
-    unpack = kernels.bind_unpack(wire_buffer, [buffer], post_scale, stats=stats)
+    unpack = kernels.bind_unpack(wire_buffer, [buffer], post_scale, stats=stats, canonical_nan=False)
     record = BucketRecord(index, wire_name(comm_dtype), {wire_name(comm_dtype): _bytes(wire_buffer)}, 1)
     return AllReduceComm(buffer, wire_buffer, target, algorithm, stats, record, pack, unpack, dist.ReduceOp.SUM)
 

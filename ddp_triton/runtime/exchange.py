@@ -154,8 +154,8 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
     send = torch.zeros(padded, dtype=wire.comm_dtype, device=buffer.device)  # the tail stays zero
     recv = torch.empty_like(send)
     shard = torch.empty(padded // world_size, dtype=wire.comm_dtype, device=buffer.device)
-    pack = kernels.bind_pack([buffer], send[:n], pre_scale)
-    unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats)
+    pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)  # NaN bits: see bucket.py
+    unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats, canonical_nan=False)
     return ShardedExchange(buffer, group, world_size, send, recv, shard, pack,
                            kernels.bind_sum_slices(recv, world_size, shard), unpack)
 

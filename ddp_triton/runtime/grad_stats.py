@@ -9,8 +9,8 @@ and a square root of a few numbers on the gradients' device, no read of the grad
 **Buckets that take no kernel without stats.** A bucket sent in its own dtype through NCCL's AVG has neither pack
 nor unpack, and one sent in place in its own dtype (gloo, NVLS, a bfloat16 model with bfloat16 on the wire) has an
 unpack that does nothing. With stats on, both keep their path and get a stats pass: the unpack kernel run in place
-with scale 1, which reads the averaged bucket once and writes the same values back (NaNs made canonical, as the
-kernels write them everywhere). Giving NCCL's AVG up instead would add a pack (a read and a write, to scale by
+with scale 1, which reads the averaged bucket once and writes the same values back (on the GPU NaNs made canonical,
+as the kernels write them). Giving NCCL's AVG up instead would add a pack (a read and a write, to scale by
 1/N before a sum) to the same unpack: twice the memory traffic for the same numbers, since NCCL computes a float
 AVG as a pre-multiplied sum.
 
