@@ -16,7 +16,7 @@ first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU a
 
 Ratios are to torch's host cost for one elementwise op on a small CPU tensor (``torch.mul(src, 0.125, out=dst)``,
 1024 float32), measured in the same run and interleaved with the rows, round by round (the fastest round of each
-counts), so that they carry over between machines. Targets (issue 8): a plain pack of one tensor at most 2x, of
+counts), so that they carry over between machines. Targets: a plain pack of one tensor at most 2x, of
 GPT-2's 148 tensors at most 6x, a bound launch at most 1x.
 """
 

@@ -90,7 +90,7 @@ QUICK_TENSORS: Tuple[Tuple[str, int, float], ...] = (
     ("head.weight", 576, 1e2),  # 4.5 blocks: ln.bias again shares a bucket-offset block with it
     ("ln.bias", 64, 1e-6),
 )
-NS = (2, 3, 8, 64, 96, 512, 1024)  # the powers of two, and two that are not (where torch's div rounds)
+NS = (2, 3, 8, 64, 96, 512, 1024)  # powers of two, and two that are not (where torch's div rounds)
 QUICK_NS = (2, 8, 64)
 EF_NS = (2, 8, 64)
 QUICK_EF_NS = (2, 8)

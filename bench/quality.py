@@ -68,7 +68,7 @@ FORMATS: Dict[str, Dict[str, Any]] = {
     "fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True},
     "fp8e4m3": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": False},
 }
-#: The issue's targets: final loss within this fraction of fp32's.
+#: The targets: final loss within this fraction of fp32's.
 TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02}
 
 #: A fixed selection of the standard library's own sources (present in every CPython 3.9+), 215 KB on 3.11.

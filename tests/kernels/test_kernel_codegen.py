@@ -9,7 +9,7 @@ interpreter mode. Checked, on every Triton version CI installs:
 - a full, aligned block moves every element in 16-byte accesses (the difference between ~4 TB/s and a fraction);
 - in the work-list kernel, every other path (partial blocks, and full blocks at offsets that are not multiples of
   16 elements) accesses global memory no wider than one element: offsets there are arbitrary, so a wider access
-  faults on a GPU. (Issue 8: a ``multiple_of`` hint on offsets loaded from the work table vectorised that path too;
+  faults on a GPU. (Once, a ``multiple_of`` hint on offsets loaded from the work table vectorised that path too;
   the earlier check here only asked for a 16-byte access anywhere and passed.)
 - narrowing to bfloat16/float16 is the hardware's ``cvt.rn``;
 - no variant spills, and each stays within 32 registers per thread unless listed, with its reason, below.
@@ -134,18 +134,20 @@ def test_wire_kernels_compile_without_spills_or_contraction(wire_reports):
     from bench.codegen_wire import NO_FUSION
 
     assert {r["name"] for r in wire_reports} >= NO_FUSION | {"sum slices bf16 x8"}
-    for r in wire_reports:
-        assert r["spill_bytes"] in (0, None) and r["stack_bytes"] in (0, None), r
-        assert r["registers"] is None or r["registers"] <= WIRE_REGISTER_CEILING, r
+    for r in wire_reports:  # None: ptxas gave no report, which is a failure here, not a pass
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r
+        assert r["registers"] is not None and r["registers"] <= WIRE_REGISTER_CEILING, r
         if r["name"] in NO_FUSION:
             # A fused multiply-add rounds once where the torch path rounds twice: the residuals would differ.
             assert not r["fp_fusion"] and r["fma"] == 0, r
 
 
 def test_fp8_codes_are_stored_four_to_a_thread_not_byte_by_byte(wire_reports):
-    for r in wire_reports:
-        if r["name"].startswith(("quantize", "reduce")):
-            assert 8 not in r["store_widths"], f"{r['name']} stores single bytes: {r['store_widths']}"
+    checked = [r for r in wire_reports if r["name"].startswith(("quantize", "reduce"))]
+    assert checked
+    for r in checked:
+        assert r["store_widths"], f"{r['name']}: no global store found in its PTX"
+        assert 8 not in r["store_widths"], f"{r['name']} stores single bytes: {r['store_widths']}"
 
 
 def test_the_contraction_check_can_fail():

@@ -73,7 +73,7 @@ def test_fit_recovers_known_factors_through_3_percent_noise(preset, nodes, alg, 
 
 
 def test_one_node_calibration_predicts_k_nodes():
-    # The workflow: measure one node, predict K nodes from that plus the inter-node link. A machine whose
+    # The workflow: measure one node, predict K nodes from that plus the inter-node link. A machine whose
     # intra-node terms differ from the model's by known factors is measured on one node; the factors fitted there,
     # applied to 4 nodes, give the truth's 4-node times: the inter-node terms are the model's on both sides.
     one = fabric("dgx-h100", 1)

@@ -1,5 +1,5 @@
 """The cost model against published nccl-tests all-reduce runs, at 1 MiB, 16 MiB, 128 MiB and the largest size each
-run published, each within its stated tolerance (issue 14).
+run published, each within its stated tolerance.
 
 The reference data and their sources are bench/published/nccl_tests_allreduce.json (each run cited there; how they
 were read: bench/published/nccl_allreduce_published.md). What the model is asked, written out here rather than
@@ -23,7 +23,7 @@ from ddp_triton.machine import cost_model as cm
 
 DATA = Path(__file__).resolve().parents[2] / "bench" / "published" / "nccl_tests_allreduce.json"
 SYSTEMS = json.loads(DATA.read_text())["systems"]
-#: The issue's aim at 1 MiB and above.
+#: The aim at 1 MiB and above.
 AIM = 1.3
 
 

@@ -1,5 +1,5 @@
 """The cost model of a bucket's wire formats: bytes by hand, the all-to-all and all-gather times by hand, and where
-each format is predicted to win (issue 12, item 6).
+each format is predicted to win.
 
 Tier: no device (pure Python).
 """

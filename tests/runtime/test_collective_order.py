@@ -116,7 +116,7 @@ def _order_worker(rank, world_size, options, trials):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         with Recorder() as recorder:
             for step in range(STEPS):
-                model.delays = [late.choice((0.0, 0.0, 0.02, 0.1)) for _ in range(LAYERS)]
+                model.delays = [late.choice((0.0, 0.0, 0.02, 0.08)) for _ in range(LAYERS)]
                 opt.zero_grad()
                 ddp(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))).sum().backward()
                 opt.step()
@@ -135,6 +135,6 @@ def _order_worker(rank, world_size, options, trials):
 def test_collectives_in_one_order_under_stragglers_and_a_rebuild(world_size):
     """FP8 with error feedback (its residuals re-slice at the rebuild) and bf16 with float32 sums."""
     with scoped_env({"TRITON_INTERPRET": "0"}):
-        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn), 4),
-                                (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 2)):
+        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn), 3),
+                                (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 1)):
             run_workers(_order_worker, world_size, options, trials, timeout=90)

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from test_hook import IN, OUT, TwoDtypes, local_backward, local_slice, make_data, make_model, torch_path_workers
+from ddp_helpers import IN, OUT, TwoDtypes, local_backward, local_slice, make_data, make_model, step, torch_path_workers
 
 TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
@@ -95,12 +95,6 @@ def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None):
     assert torch_clip.call_count == 1
     assert float(clipped) == float(expected_norm)
     assert_grads(ddp, expected_grads, rtol=0)
-
-
-def step(ddp, rank, world_size, data_step, set_to_none=True):
-    ddp.zero_grad(set_to_none=set_to_none)
-    x, y = make_data(data_step)
-    local_backward(ddp, x, y, rank, world_size)
 
 
 # ---- the cases, run one after another in each spawned job --------------------------------------------------------

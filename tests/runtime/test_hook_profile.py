@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_triton.machine.profile import Profile, ProfileError, TableEntry
 from ddp_triton.runtime.bucket import collective_averages
-from test_hook import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
+from ddp_helpers import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
 
 SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
 

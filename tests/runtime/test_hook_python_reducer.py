@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from bits import assert_same_bits
-from test_hook import local_backward, local_slice, make_data, make_model, torch_path_workers
+from ddp_helpers import local_backward, local_slice, make_data, make_model, torch_path_workers
 
 WORLD = 2
 

@@ -17,7 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.runtime.state import check_options
-from test_wire_formats import FP8_EF, data, ddp_backward, torch_path_workers
+from ddp_helpers import local_backward, make_data, torch_path_workers
+
+
+FP8_EF = dict(comm_dtype=torch.float8_e4m3fn)  # error feedback on by default
 
 
 class Net(nn.Module):
@@ -42,9 +45,9 @@ def trained(width=40, steps=2, options=FP8_EF, rank=0, world_size=2, state=None,
 def train(ddp, steps, rank, world_size):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(steps):
-        x, y = data(step)
+        x, y = make_data(step)
         opt.zero_grad()
-        ddp_backward(ddp, x, y, rank, world_size)
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
 
 
@@ -140,9 +143,9 @@ def _huge_gradient(rank, world_size):
     state = ddp_triton.register(ddp, grad_stats=True, **FP8_EF)
     infinite = []
     for step in range(12):
-        x, y = data(step)
+        x, y = make_data(step)
         ddp.zero_grad()
-        ddp_backward(ddp, x, y, rank, world_size)
+        local_backward(ddp, x, y, rank, world_size)
         poke["on"] = False
         ours = state.grad_norm()
         theirs = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ddp.parameters()]))

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.runtime.state import CommState
-from test_hook import local_backward, make_data, make_model, torch_path_workers
+from ddp_helpers import local_backward, make_data, make_model, torch_path_workers
 
 WORLD = 2
 

@@ -19,8 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_triton.runtime import telemetry
 from ddp_triton.runtime.telemetry import BucketRecord, BucketSummary, Summary
-from test_hook import TwoDtypes, local_slice, make_data, make_model, torch_path_workers
-from test_grad_stats import step
+from ddp_helpers import TwoDtypes, local_slice, make_data, make_model, step, torch_path_workers
 
 PHASES = ("pack", "all_reduce", "unpack")
 

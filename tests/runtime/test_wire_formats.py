@@ -16,17 +16,13 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
+from ddp_helpers import torch_path_workers
 from dist_utils import run_workers
 from wire_reference import float32_sum_average, fp8_average
 from ddp_triton.runtime.algo_groups import scoped_env
 from ddp_triton.runtime.wire import resolve_wire_format
 
 BATCH = 12
-
-
-def torch_path_workers(fn, world_size, *args, timeout=120):
-    with scoped_env({"TRITON_INTERPRET": "0"}):
-        run_workers(fn, world_size, *args, timeout=timeout)
 
 
 class Wide(nn.Module):

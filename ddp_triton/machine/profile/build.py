@@ -22,7 +22,7 @@ from ..cost_model import ALGORITHMS, Calibration
 from .cache import find_cached_profile, profile_fingerprint
 from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, SweepRow, TableEntry, format_bytes
 
-#: Default fraction of the best busbw a bucket's all-reduce must reach (the issue's 90%).
+#: Default fraction of the best busbw a bucket's all-reduce must reach: 90%.
 DEFAULT_FRACTION = 0.9
 #: Largest bucket_cap_mb chosen when the model's size is unknown. Bandwidth alone points at 128-512 MiB (90% of the
 #: best busbw is reached only near the 1 GiB end of the sweep), one bucket for most models and no overlap with

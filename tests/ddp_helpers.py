@@ -1,0 +1,92 @@
+"""What the DDP tests share: a small model and its data, per-rank batch slices, the full-batch reference, and
+workers on the kernels' torch CPU path.
+
+The model is an MLP of Linear(IN, HIDDEN) - Tanh - Linear(HIDDEN, HIDDEN) - Tanh - Linear(HIDDEN, OUT) (its weights
+from a seed), the data BATCH rows of normal inputs and targets per step (from a seed per step). Each of N ranks
+trains on rows [r * BATCH/N, (r + 1) * BATCH/N), so N ranks together see the batch one process sees.
+"""
+
+import torch
+import torch.nn as nn
+
+from dist_utils import run_workers
+from ddp_triton.runtime.algo_groups import scoped_env
+
+BATCH = 16
+IN, HIDDEN, OUT = 8, 32, 4
+
+# float32 on the wire: the only differences from one process are the order of float32 additions (a mean of N
+# partial means against one mean), a few ulps per step; after 6 SGD steps at lr 0.1 that stays below 1e-5.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def torch_path_workers(fn, world_size, *args, timeout=120):
+    """Workers on the kernels' torch CPU path, as in CPU production (they read TRITON_INTERPRET at import)."""
+    with scoped_env({"TRITON_INTERPRET": "0"}):
+        run_workers(fn, world_size, *args, timeout=timeout)
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT)).to(dtype)
+
+
+def make_data(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=gen).to(dtype), torch.randn(BATCH, OUT, generator=gen).to(dtype)
+
+
+def local_slice(tensor, rank, world_size):
+    per = tensor.shape[0] // world_size
+    return tensor[rank * per : (rank + 1) * per]
+
+
+def local_backward(model, x, y, rank, world_size):
+    """Backward of the loss on this rank's slice of the batch."""
+    nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+
+
+def step(ddp, rank, world_size, data_step, set_to_none=True):
+    """zero_grad, then this rank's backward on step ``data_step``'s batch (no optimizer step)."""
+    ddp.zero_grad(set_to_none=set_to_none)
+    x, y = make_data(data_step)
+    local_backward(ddp, x, y, rank, world_size)
+
+
+def train_reference(model, steps, lr=0.1, dtype=torch.float32):
+    """One process, the full batch: what N ranks on B/N samples each must reproduce."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for s in range(steps):
+        x, y = make_data(s, dtype)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def train_ddp(ddp_model, rank, world_size, steps, lr=0.1, dtype=torch.float32):
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for s in range(steps):
+        x, y = make_data(s, dtype)
+        opt.zero_grad()
+        local_backward(ddp_model, x, y, rank, world_size)
+        opt.step()
+
+
+def assert_params_close(model, reference, atol, rtol):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().float(), q.detach().float(), atol=atol, rtol=rtol, msg=name)
+
+
+class TwoDtypes(nn.Module):
+    """A float32 layer then a bfloat16 one: DDP gives each dtype its own buckets."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(IN, HIDDEN)
+        self.second = nn.Linear(HIDDEN, OUT).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)).to(self.second.weight.dtype)).float()
