@@ -22,10 +22,11 @@ import torch
 from . import _triton, torch_wire
 from .blocks import BlockLayout
 from .convert import _convert, _load_fp32, _write_stats
-from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
+from .dtypes import BITS_DTYPE, OUT_KIND
 from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
-from .launch import Grid, Work, bind_work, run_work
+from .launch import Grid, KernelCall, bind_call, run_call
 from .pack import uses_triton
+from .validation import check_count, check_scale, check_stats, check_vector
 
 triton, tl = _triton.triton, _triton.tl
 
@@ -120,83 +121,66 @@ def _check_layout(layout: BlockLayout) -> None:
 
 
 def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device) -> None:
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D uint8 tensor")
-    if rows.numel() != n_rows * ROW_BYTES:
-        raise ValueError(f"{name} has {rows.numel()} bytes, expected {n_rows} rows of {ROW_BYTES} = "
-                         f"{n_rows * ROW_BYTES}")
-    if not rows.is_contiguous() or rows.storage_offset() % 4:
-        raise ValueError(f"{name} must be contiguous and 4-byte aligned")
-    if rows.device != device:
-        raise ValueError(f"{name} is on {rows.device} but the other tensors are on {device}")
-
-
-def _check_flat(t: torch.Tensor, name: str, numel: int, device: torch.device, dtypes=SUPPORTED_DTYPES) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous 1-D tensor")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
-    if t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}")
+    check_vector(rows, name, numel=n_rows * ROW_BYTES, dtypes=(torch.uint8,), device=device)
+    if rows.storage_offset() % 4:
+        raise ValueError(f"{name} must be 4-byte aligned (its rows are read and written as 32-bit words)")
 
 
 def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.device) -> None:
     if residual is not None:
-        _check_flat(residual, "residual", numel, device, (torch.float32,))
+        check_vector(residual, "residual", numel=numel, dtypes=(torch.float32,), device=device)
 
 
-# ---- the three passes: checked once into a Work, run once (plain call) or bound to repeat -------------------------
+# ---- the three passes: checked once into a KernelCall, run once (plain call) or bound to repeat -----------------
 
 
-def _quantize_work(src, layout, rows, scale, fmt, residual) -> Work:
+def _quantize_call(src, layout, rows, scale, fmt, residual) -> KernelCall:
     spec = _format(fmt)
     _check_layout(layout)
-    _check_flat(src, "src", layout.n_elements, src.device if isinstance(src, torch.Tensor) else None)
+    check_vector(src, "src", numel=layout.n_elements)
     _check_rows(rows, layout.n_rows, "rows", src.device)
     _check_residual(residual, src.numel(), src.device)
-    scale = float(scale)
+    scale = check_scale(scale)
     if not uses_triton(src.device):
-        return Work(torch_path=lambda: torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual))
+        return KernelCall(torch_path=lambda: torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual))
     src_bf16 = src.dtype == torch.bfloat16
     args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
             residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
                       SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
                       MAX_EXPONENT_OF=spec.max_exponent)
-    return Work(launch=(Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION), _quantize_blocks_kernel, args, constexprs))
+    grid = Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION)
+    return KernelCall(launch=(grid, _quantize_blocks_kernel, args, constexprs))
 
 
-def _reduce_work(received, n_ranks, out, fmt, residual) -> Work:
+def _reduce_call(received, n_ranks, out, fmt, residual) -> KernelCall:
     spec = _format(fmt)
-    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.numel() % ROW_BYTES:
-        raise ValueError(f"out must be a uint8 tensor of whole {ROW_BYTES}-byte rows")
+    check_count(n_ranks, "n_ranks")
+    check_vector(out, "out", dtypes=(torch.uint8,))
+    if out.numel() % ROW_BYTES:
+        raise ValueError(f"out has {out.numel()} bytes, not whole {ROW_BYTES}-byte rows")
     rows_per_rank = out.numel() // ROW_BYTES
     _check_rows(out, rows_per_rank, "out", out.device)
     _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
     _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
     if not uses_triton(out.device):
-        return Work(torch_path=lambda: torch_wire.reduce_blocks(received, n_ranks, out, spec, residual))
+        return KernelCall(torch_path=lambda: torch_wire.reduce_blocks(received, n_ranks, out, spec, residual))
     args = (received, received.view(torch.int32), residual if residual is not None else out, out,
             out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
                       MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent)
-    return Work(launch=(Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION), _reduce_blocks_kernel, args, constexprs))
+    grid = Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION)
+    return KernelCall(launch=(grid, _reduce_blocks_kernel, args, constexprs))
 
 
-def _dequantize_work(rows, layout, dst, fmt, stats) -> Work:
+def _dequantize_call(rows, layout, dst, fmt, stats) -> KernelCall:
     spec = _format(fmt)
     _check_layout(layout)
-    _check_flat(dst, "dst", layout.n_elements, dst.device if isinstance(dst, torch.Tensor) else None)
+    check_vector(dst, "dst", numel=layout.n_elements)
     _check_rows(rows, layout.n_rows, "rows", dst.device)
-    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32
-                              or stats.shape != (2,) or stats.device != dst.device):
-        raise ValueError("stats must be a float32 tensor of shape (2,) on the bucket's device")
+    check_stats(stats, dst.device)
     if not uses_triton(dst.device):
-        return Work(torch_path=lambda: torch_wire.dequantize_blocks(rows, layout, dst, spec, stats))
+        return KernelCall(torch_path=lambda: torch_wire.dequantize_blocks(rows, layout, dst, spec, stats))
     # With stats, each block's partial sums go to a buffer of this call's own, summed behind the kernel.
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
@@ -205,8 +189,8 @@ def _dequantize_work(rows, layout, dst, fmt, stats) -> Work:
                       STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits,
                       BIAS=spec.bias)
     after = (lambda: torch.sum(partials, dim=0, out=stats)) if stats is not None else None
-    return Work(launch=(Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION), _dequantize_blocks_kernel, args, constexprs),
-                after=after)
+    grid = Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION)
+    return KernelCall(launch=(grid, _dequantize_blocks_kernel, args, constexprs), after=after)
 
 
 # ---- public API ---------------------------------------------------------------------------------------------------
@@ -219,21 +203,21 @@ def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
     ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
     ``layout.n_rows * ROW_BYTES`` bytes; ``residual`` float32 of src's length, updated in place.
     """
-    run_work(_quantize_work(src, layout, rows, scale, fmt, residual))
+    run_call(_quantize_call(src, layout, rows, scale, fmt, residual))
 
 
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
                   fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
     many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
-    run_work(_reduce_work(received, n_ranks, out, fmt, residual))
+    run_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 
 def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
                       fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
     """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
     (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
-    run_work(_dequantize_work(rows, layout, dst, fmt, stats))
+    run_call(_dequantize_call(rows, layout, dst, fmt, stats))
 
 
 def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
@@ -241,14 +225,14 @@ def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Ten
                          residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
     """Check :func:`quantize_blocks` once; the returned callable repeats it with little host work (a direct launch
     on CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
-    return bind_work(_quantize_work(src, layout, rows, scale, fmt, residual))
+    return bind_call(_quantize_call(src, layout, rows, scale, fmt, residual))
 
 
 def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
                        fmt: torch.dtype = torch.float8_e4m3fn,
                        residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
     """Check :func:`reduce_blocks` once and return a callable that repeats it (see :func:`bind_quantize_blocks`)."""
-    return bind_work(_reduce_work(received, n_ranks, out, fmt, residual))
+    return bind_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 
 def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
@@ -256,4 +240,4 @@ def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.T
                            stats: Optional[torch.Tensor] = None) -> Callable[[], None]:
     """Check :func:`dequantize_blocks` once and return a callable that repeats it (see
     :func:`bind_quantize_blocks`)."""
-    return bind_work(_dequantize_work(rows, layout, dst, fmt, stats))
+    return bind_call(_dequantize_call(rows, layout, dst, fmt, stats))

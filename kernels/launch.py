@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
@@ -69,16 +68,6 @@ def launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
         kernel[(plan.n_items,)](*args, **constexprs, num_warps=plan.num_warps, **dict(plan.options))
 
 
-def _key_of(arg: Any) -> Any:
-    """What identifies an argument for reuse: a tensor's dtype with its address (the compiled kernel depends on the
-    pointer type), a float's exact bits (-0.0 is not 0.0)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr()
-    if isinstance(arg, float):
-        return arg.hex()
-    return arg
-
-
 def _as_int(arg):
     return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
 
@@ -115,45 +104,6 @@ class BoundLaunch:
             self._direct()
         else:
             launch(self._plan, self._kernel, self._args, self._constexprs)
-
-
-class OneShotLaunches:
-    """Launches for calls that are not bound (plain ``pack``/``unpack``): the direct launch of each set of argument
-    values seen recently, so a caller repeating a layout skips Triton's argument handling too.
-
-    Keyed by every value the launch bakes in (addresses, sizes, scale, constexprs): a hit means the same memory and
-    layout, which this call has just validated. Entries hold no tensors, only the plan whose work table the launch
-    reads. Safe to call from several threads.
-    """
-
-    def __init__(self, capacity: int = 256) -> None:
-        self._entries: "OrderedDict[tuple, Tuple[Callable[[], None], Plan]]" = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def __call__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> None:
-        if not _can_launch_directly(plan, args) or launch_hooks_installed():
-            launch(plan, kernel, args, constexprs)
-            return
-        key = (id(kernel), plan.n_items, plan.num_warps, tuple(_key_of(a) for a in args), tuple(constexprs.items()))
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-        if entry is None:
-            direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
-            if direct is None:
-                launch(plan, kernel, args, constexprs)
-                return
-            entry = (direct, plan)
-            with self._lock:
-                self._entries[key] = entry
-                if len(self._entries) > self._capacity:
-                    self._entries.popitem(last=False)
-        entry[0]()
-
-
-ONE_SHOT = OneShotLaunches()
 
 
 def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
@@ -316,7 +266,7 @@ def _self_check(device: torch.device) -> bool:
     return True
 
 
-class Work(NamedTuple):
+class KernelCall(NamedTuple):
     """One checked call of a kernel that may also run on the torch CPU path: there ``torch_path``; otherwise
     ``launch`` (plan, kernel, args, constexprs), then ``after`` if given (work queued behind the kernel, such as
     summing its partial statistics)."""
@@ -326,22 +276,22 @@ class Work(NamedTuple):
     after: Optional[Callable[[], None]] = None
 
 
-def run_work(work: Work) -> None:
-    """Do ``work`` once, through Triton's launcher (a plain call: nothing is kept)."""
-    if work.torch_path is not None:
-        work.torch_path()
+def run_call(call: KernelCall) -> None:
+    """Do ``call`` once, through Triton's launcher (a plain call: nothing is kept)."""
+    if call.torch_path is not None:
+        call.torch_path()
         return
-    launch(*work.launch)
-    if work.after is not None:
-        work.after()
+    launch(*call.launch)
+    if call.after is not None:
+        call.after()
 
 
-def bind_work(work: Work) -> Callable[[], None]:
-    """``work`` as a callable to repeat: the kernel as a :class:`BoundLaunch` (direct on CUDA), holding its tensors."""
-    if work.torch_path is not None:
-        return work.torch_path
-    kernel_launch = BoundLaunch(*work.launch)
-    after = work.after
+def bind_call(call: KernelCall) -> Callable[[], None]:
+    """``call`` as a callable to repeat: the kernel as a :class:`BoundLaunch` (direct on CUDA), holding its tensors."""
+    if call.torch_path is not None:
+        return call.torch_path
+    kernel_launch = BoundLaunch(*call.launch)
+    after = call.after
     if after is None:
         return kernel_launch
 

@@ -17,20 +17,17 @@ a tensor that cannot be read, a null address (empty or meta tensors), a scale th
 not in a list or tuple get no signature: they are checked in full every time.
 
 Entries hold no tensors, only what the launch needs (the plan, the compiled kernel's launcher, a stats scratch
-buffer of their own). The cache is a bounded LRU, safe to use from several threads.
+buffer of their own). The cache is an :class:`~.lru.LRU`: bounded, safe to use from several threads.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-# Layouts a job uses are few (one per distinct call site and bucket); keep the recent ones, as the plan cache does.
-_CAPACITY = 256
+from .lru import CAPACITY, LRU
 
 # Unbound methods raise TypeError for anything that is not a tensor; map() calls them without a Python frame per
 # tensor, which is most of what a signature of 148 tensors costs.
@@ -63,20 +60,16 @@ def signature(kind: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, sc
 
 
 class LayoutCache:
-    """signature -> the launch prepared for it, least recently used dropped first; safe from several threads."""
+    """signature -> the launch prepared for it, in an :class:`~.lru.LRU` by the signature's head, confirmed by its
+    rest (an entry whose tensors' metadata changed is not returned)."""
 
-    def __init__(self, capacity: int = _CAPACITY) -> None:
-        self._entries: "OrderedDict[tuple, Tuple[tuple, Callable]]" = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self._entries: LRU[Tuple[tuple, Callable]] = LRU(capacity)
 
     def get(self, sig: Signature) -> Optional[Callable]:
         """The launch stored under ``sig``, or None when there is none or its tensors' metadata differ."""
         head, rest = sig
-        with self._lock:
-            entry = self._entries.get(head)
-            if entry is not None:
-                self._entries.move_to_end(head)
+        entry = self._entries.get(head)
         if entry is None or entry[0] != rest:
             return None
         return entry[1]
@@ -84,15 +77,10 @@ class LayoutCache:
     def put(self, sig: Signature, launch: Callable) -> None:
         """Remember ``launch`` for ``sig``, replacing any entry with the same head."""
         head, rest = sig
-        with self._lock:
-            self._entries[head] = (rest, launch)
-            self._entries.move_to_end(head)
-            if len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
+        self._entries.put(head, (rest, launch))
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

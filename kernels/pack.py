@@ -16,9 +16,9 @@ import torch
 
 from . import _triton, torch_path
 from .dtypes import BITS_DTYPE, OUT_KIND
-from .launch import ONE_SHOT, BoundLaunch, direct_launch, kernel_arguments, launch_hooks_installed
+from .launch import BoundLaunch, direct_launch, kernel_arguments, launch, launch_hooks_installed
 from .layouts import LayoutCache, signature
-from .validation import check_flat, check_overlap, check_scale, check_tensor_list
+from .validation import check_flat, check_overlap, check_scale, check_stats, check_tensor_list
 from .worklist import PLANS, Plan
 
 
@@ -36,17 +36,6 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _triton.INTERPRETER)
 
 
-def _check_stats(stats: Optional[torch.Tensor], device: torch.device) -> None:
-    if stats is None:
-        return
-    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32 or stats.shape != (2,):
-        raise ValueError("stats must be a float32 tensor of shape (2,)")
-    if stats.device != device:
-        raise ValueError(f"stats is on {stats.device} but the tensors are on {device}")
-    if not stats.is_contiguous():
-        raise ValueError("stats must be contiguous")
-
-
 def _check_pack(tensors, out, scale) -> Tuple[List[torch.Tensor], float, bool]:
     """(tensors as a list, scale as a float, whether there is nothing to do) after every check of a pack."""
     tensors = check_tensor_list(tensors, "tensors")
@@ -61,7 +50,7 @@ def _check_unpack(flat, tensors, scale, stats) -> Tuple[List[torch.Tensor], floa
     tensors = check_tensor_list(tensors, "tensors")
     scale = check_scale(scale)
     check_flat(flat, "flat", sum(t.numel() for t in tensors), tensors)
-    _check_stats(stats, flat.device)
+    check_stats(stats, flat.device)
     in_place = check_overlap(tensors, flat, "flat", tensors_written=True)
     return tensors, scale, (in_place and scale == 1.0 and stats is None) or flat.numel() == 0
 
@@ -75,59 +64,61 @@ def _nothing_to_do(tensors, flat, stats) -> None:
 
 
 class _KernelLayout:
-    """A checked layout's kernel launch: the direct launch when there is one, else ONE_SHOT with each call's own
-    tensors (``arguments(tensors, flat, stats)`` gives a call's kernel, args and constexprs). With stats, the
-    per-block partial sums go to ``partials``, a buffer of the layout's own: two calls could only share it by
-    writing the same tensors at once, a race of the caller's."""
+    """A checked layout's kernel launch: the direct launch when the layout is kept (a repeat call replays it), else
+    Triton's launcher with each call's own tensors (``arguments(tensors, flat, stats)`` gives a call's kernel, args
+    and constexprs). With stats, the per-block partial sums go to ``partials``, a buffer of the layout's own: two
+    calls could only share it by writing the same tensors at once, a race of the caller's."""
 
     __slots__ = ("plan", "arguments", "partials", "direct")
 
-    def __init__(self, plan: Plan, arguments: Callable[..., tuple], first: tuple,
+    def __init__(self, plan: Plan, arguments: Callable[..., tuple], first: Optional[tuple],
                  partials: Optional[torch.Tensor] = None) -> None:
         self.plan, self.arguments, self.partials = plan, arguments, partials
-        self.direct = direct_launch(plan, *first)
+        self.direct = direct_launch(plan, *first) if first is not None else None
 
     def __call__(self, tensors, flat, stats) -> None:
         if self.direct is not None and not launch_hooks_installed():  # a profiler sees only Triton's launcher
             self.direct()
         else:
-            ONE_SHOT(self.plan, *self.arguments(tensors, flat, stats))
+            launch(self.plan, *self.arguments(tensors, flat, stats))
         if self.partials is not None:
             torch.sum(self.partials, dim=0, out=stats)
 
 
-def _pack_layout(tensors, out, scale) -> Tuple[Layout, List[torch.Tensor]]:
-    """Check a plain pack and prepare its launch; also the tensors as the checked list."""
+def _pack_layout(tensors, out, scale, kept: bool) -> Tuple[Layout, List[torch.Tensor]]:
+    """Check a plain pack and prepare its launch (a direct one where the layout is ``kept`` for repeat calls); also
+    the tensors as the checked list."""
     tensors, scale, nothing = _check_pack(tensors, out, scale)
     if nothing:
         return _nothing_to_do, tensors
     if not uses_triton(out.device):
         return (lambda ts, flat, stats: torch_path.pack(ts, flat, scale)), tensors
-    plan = PLANS.get(tensors, out, many_is_source=True)
+    plan = PLANS.get(tensors, out, tensors_are_source=True)
     kind, bits = OUT_KIND[out.dtype], BITS_DTYPE[out.dtype]
 
     def arguments(ts, flat, stats) -> tuple:
-        return kernel_arguments(plan, ts[plan.many_base], flat.view(bits), scale, kind, None)
+        return kernel_arguments(plan, ts[plan.base_index], flat.view(bits), scale, kind, None)
 
-    return _KernelLayout(plan, arguments, arguments(tensors, out, None)), tensors
+    return _KernelLayout(plan, arguments, arguments(tensors, out, None) if kept else None), tensors
 
 
-def _unpack_layout(flat, tensors, scale, stats) -> Tuple[Layout, List[torch.Tensor]]:
-    """Check a plain unpack and prepare its launch; also the tensors as the checked list."""
+def _unpack_layout(flat, tensors, scale, stats, kept: bool) -> Tuple[Layout, List[torch.Tensor]]:
+    """Check a plain unpack and prepare its launch (see :func:`_pack_layout`); also the tensors as the checked list."""
     tensors, scale, nothing = _check_unpack(flat, tensors, scale, stats)
     if nothing:
         return _nothing_to_do, tensors
     if not uses_triton(flat.device):
         return (lambda ts, fl, st: torch_path.unpack(fl, ts, scale, st)), tensors
-    plan = PLANS.get(tensors, flat, many_is_source=False)
-    base = tensors[plan.many_base]
+    plan = PLANS.get(tensors, flat, tensors_are_source=False)
+    base = tensors[plan.base_index]
     kind, bits = OUT_KIND[base.dtype], BITS_DTYPE[base.dtype]
     partials = None if stats is None else torch.empty((plan.n_items, 2), dtype=torch.float32, device=flat.device)
 
     def arguments(ts, fl, st) -> tuple:
-        return kernel_arguments(plan, fl, ts[plan.many_base].view(bits), scale, kind, partials)
+        return kernel_arguments(plan, fl, ts[plan.base_index].view(bits), scale, kind, partials)
 
-    return _KernelLayout(plan, arguments, arguments(tensors, flat, stats), partials), tensors
+    first = arguments(tensors, flat, stats) if kept else None
+    return _KernelLayout(plan, arguments, first, partials), tensors
 
 
 # ---- public API ---------------------------------------------------------------------------------------------------
@@ -145,7 +136,7 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0)
     sig = signature("pack", tensors, out, scale)
     layout = LAYOUTS.get(sig) if sig is not None else None
     if layout is None:
-        layout, tensors = _pack_layout(tensors, out, scale)
+        layout, tensors = _pack_layout(tensors, out, scale, kept=sig is not None)
         if sig is not None:
             LAYOUTS.put(sig, layout)
     layout(tensors, out, None)
@@ -168,11 +159,11 @@ def unpack(
     sig = signature("unpack" if stats is None else "unpack+stats", tensors, flat, scale)
     layout = LAYOUTS.get(sig) if sig is not None else None
     if layout is None:
-        layout, tensors = _unpack_layout(flat, tensors, scale, stats)
+        layout, tensors = _unpack_layout(flat, tensors, scale, stats, kept=sig is not None)
         if sig is not None:
             LAYOUTS.put(sig, layout)
     elif stats is not None:
-        _check_stats(stats, flat.device)  # not part of the layout: a stats tensor is checked at every call
+        check_stats(stats, flat.device)  # not part of the layout: a stats tensor is checked at every call
     layout(tensors, flat, stats)
 
 
@@ -190,8 +181,8 @@ def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float =
         return lambda: None
     if not uses_triton(out.device):
         return torch_path.bind_pack(tensors, out, scale, canonical_nan)
-    plan = PLANS.get(tensors, out, many_is_source=True)
-    args = kernel_arguments(plan, tensors[plan.many_base], out.view(BITS_DTYPE[out.dtype]), scale,
+    plan = PLANS.get(tensors, out, tensors_are_source=True)
+    args = kernel_arguments(plan, tensors[plan.base_index], out.view(BITS_DTYPE[out.dtype]), scale,
                             OUT_KIND[out.dtype], None)
     return BoundLaunch(plan, *args, keepalive=tensors)
 
@@ -211,8 +202,8 @@ def bind_unpack(
         return stats.zero_ if stats is not None else (lambda: None)
     if not uses_triton(flat.device):
         return torch_path.bind_unpack(flat, tensors, scale, stats, canonical_nan)
-    plan = PLANS.get(tensors, flat, many_is_source=False)
-    base = tensors[plan.many_base]
+    plan = PLANS.get(tensors, flat, tensors_are_source=False)
+    base = tensors[plan.base_index]
     dst = base.view(BITS_DTYPE[base.dtype])
     if stats is None:
         args = kernel_arguments(plan, flat, dst, scale, OUT_KIND[base.dtype], None)

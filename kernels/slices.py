@@ -12,9 +12,10 @@ import torch
 
 from . import _triton, torch_wire
 from .convert import _convert, _load_fp32
-from .dtypes import BITS_DTYPE, OUT_KIND, SUPPORTED_DTYPES
-from .launch import Grid, Work, bind_work, run_work
+from .dtypes import BITS_DTYPE, OUT_KIND
+from .launch import Grid, KernelCall, bind_call, run_call
 from .pack import uses_triton
+from .validation import check_count, check_vector
 
 triton, tl = _triton.triton, _triton.tl
 
@@ -42,38 +43,31 @@ else:  # pragma: no cover - exercised only where Triton is missing
     _sum_slices_kernel = None
 
 
-def _sum_slices_work(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> Work:
-    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
-    for name, t in (("received", received), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 1-D tensor")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} has dtype {t.dtype}; supported are float32, bfloat16 and float16")
-    if received.dtype != out.dtype or received.device != out.device:
-        raise ValueError(f"received ({received.dtype}, {received.device}) and out ({out.dtype}, {out.device}) "
-                         "must share dtype and device")
-    if received.numel() != n_ranks * out.numel():
-        raise ValueError(f"received has {received.numel()} elements, expected n_ranks * out.numel() = "
-                         f"{n_ranks * out.numel()}")
+def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> KernelCall:
+    check_count(n_ranks, "n_ranks")
+    check_vector(out, "out")
+    check_vector(received, "received", numel=n_ranks * out.numel(), device=out.device)
+    if received.dtype != out.dtype:
+        raise TypeError(f"received ({received.dtype}) and out ({out.dtype}) must share a dtype")
     if not uses_triton(out.device):
-        return Work(torch_path=lambda: torch_wire.sum_slices(received, n_ranks, out))
+        return KernelCall(torch_path=lambda: torch_wire.sum_slices(received, n_ranks, out))
     src_bf16 = received.dtype == torch.bfloat16
     args = (received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]), n_ranks,
             out.numel())
     constexprs = dict(BLOCK=_BLOCK, SRC_BF16=src_bf16, OUT_KIND=OUT_KIND[out.dtype], HW_CONVERT=not _triton.INTERPRETER)
-    return Work(launch=(Grid(-(-out.numel() // _BLOCK), _NUM_WARPS), _sum_slices_kernel, args, constexprs))
+    grid = Grid(-(-out.numel() // _BLOCK), _NUM_WARPS)
+    return KernelCall(launch=(grid, _sum_slices_kernel, args, constexprs))
 
 
 def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements,
     same dtype as ``out``: float32, bfloat16 or float16), added in float32 in rank order and rounded once. NaNs are
     written as the canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
-    run_work(_sum_slices_work(received, n_ranks, out))
+    run_call(_sum_slices_call(received, n_ranks, out))
     return out
 
 
 def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> Callable[[], None]:
     """Check :func:`sum_slices` once; the returned callable repeats it with little host work (a direct launch on
     CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
-    return bind_work(_sum_slices_work(received, n_ranks, out))
+    return bind_call(_sum_slices_call(received, n_ranks, out))

@@ -1,9 +1,14 @@
-"""Input checks for pack and unpack: every problem is named before anything is launched."""
+"""Input checks for every kernel's launcher: every problem is named before anything is launched.
+
+One style for all: a TypeError for something of the wrong kind (not a tensor, not dense, a dtype the kernel does not
+take, dtypes that must agree and do not), a ValueError for a wrong value (shape, size, contiguity, alignment, device,
+a count or scale out of range), each naming the argument and what it got.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -14,11 +19,52 @@ def _describe(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_dtype(dtype: torch.dtype, what: str) -> None:
-    """TypeError unless ``dtype`` is one the kernels convert."""
-    if dtype not in SUPPORTED_DTYPES:
-        supported = ", ".join(_describe(d) for d in SUPPORTED_DTYPES)
+def check_dtype(dtype: torch.dtype, what: str, allowed: Sequence[torch.dtype] = SUPPORTED_DTYPES) -> None:
+    """TypeError unless ``dtype`` is one of ``allowed`` (default: the dtypes the kernels convert)."""
+    if dtype not in allowed:
+        supported = ", ".join(_describe(d) for d in allowed)
         raise TypeError(f"{what} has dtype {_describe(dtype)}; supported dtypes are {supported}")
+
+
+def check_count(n: int, what: str) -> int:
+    """``n`` as a positive Python int (a number of ranks, of rows)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{what} must be a positive int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"{what} must be a positive int, got {n}")
+    return n
+
+
+def check_vector(t: torch.Tensor, what: str, *, numel: Optional[int] = None,
+                 dtypes: Sequence[torch.dtype] = SUPPORTED_DTYPES, device: Optional[torch.device] = None) -> None:
+    """``t`` must be a dense, contiguous 1-D tensor of one of ``dtypes``, on a CPU or CUDA device (``device`` if
+    given), with ``numel`` elements if given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{what} has layout {t.layout}; only dense (strided) tensors are supported")
+    check_dtype(t.dtype, what, dtypes)
+    check_device(t.device, what)
+    if t.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous, got stride {t.stride()}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{what} has {t.numel()} elements, expected {numel}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device} but the other tensors are on {device}")
+
+
+def check_stats(stats: Optional[torch.Tensor], device: torch.device) -> None:
+    """``stats``, where given, must be a contiguous float32 tensor of shape (2,) on ``device``."""
+    if stats is None:
+        return
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32 or stats.shape != (2,):
+        raise ValueError("stats must be a float32 tensor of shape (2,)")
+    if stats.device != device:
+        raise ValueError(f"stats is on {stats.device} but the tensors are on {device}")
+    if not stats.is_contiguous():
+        raise ValueError("stats must be contiguous")
 
 
 def check_scale(scale: float) -> float:
@@ -34,7 +80,7 @@ def check_scale(scale: float) -> float:
 def check_device(device: torch.device, what: str) -> None:
     """ValueError unless ``device`` holds real memory the kernels can convert: CPU or CUDA (not meta, not others)."""
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what} is on {device}; pack and unpack convert CPU or CUDA tensors")
+        raise ValueError(f"{what} is on {device}; the kernels convert CPU or CUDA tensors")
 
 
 def check_tensor_list(tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
@@ -62,16 +108,7 @@ def check_tensor_list(tensors: Sequence[torch.Tensor], what: str) -> List[torch.
 
 def check_flat(flat: torch.Tensor, what: str, numel: int, tensors: Sequence[torch.Tensor]) -> None:
     """``flat`` must be a dense, contiguous 1-D tensor of ``numel`` elements on the tensors' device."""
-    if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, got {type(flat).__name__}")
-    if flat.layout != torch.strided:
-        raise TypeError(f"{what} has layout {flat.layout}; only dense (strided) tensors are supported")
-    check_dtype(flat.dtype, what)
-    check_device(flat.device, what)
-    if flat.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(flat.shape)}")
-    if not flat.is_contiguous():
-        raise ValueError(f"{what} must be contiguous, got stride {flat.stride()}")
+    check_vector(flat, what)
     if flat.numel() != numel:
         raise ValueError(f"{what} has {flat.numel()} elements but the tensors hold {numel}")
     if tensors and flat.device != tensors[0].device:

@@ -8,16 +8,14 @@ two base pointers. Plans depend only on addresses and sizes, so they are cached 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from .lru import CAPACITY, LRU
 
-# Plans are small (24 bytes per block) but a long-running job may see many layouts; keep the recent ones.
-_PLAN_CACHE_SIZE = 256
+# Plans are small (24 bytes per block) but a long-running job may see many layouts: PLANS keeps the recent ones.
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,7 @@ class Plan:
     n_elements: int
     block: int
     num_warps: int
-    many_base: int  # index into the tensor list of the tensor whose address is the base pointer (-1: none)
+    base_index: int  # index into the tensor list of the tensor whose address is the base pointer (-1: none)
     options: Tuple[Tuple[str, Any], ...] = ()  # compile options (launch.Grid's); the conversion kernels take none
 
 
@@ -71,83 +69,66 @@ def _first_nonempty(tensors: Sequence[torch.Tensor]) -> int:
 def build_plan(
     tensors: Sequence[torch.Tensor],
     flat: torch.Tensor,
-    many_is_source: bool,
+    tensors_are_source: bool,
     device: torch.device,
 ) -> Plan:
     """The work table between ``tensors`` and ``flat`` (pack: tensors -> flat; unpack: flat -> tensors)."""
     runs = segments(tensors)
-    many_base = _first_nonempty(tensors)
+    base_index = _first_nonempty(tensors)
     total = sum(n for _, n in runs)
     block, num_warps = launch_config(total, len(runs))
     if len(runs) <= 1:  # nothing, or one run starting at the base tensor: offsets follow from the program id
-        return Plan(None, -(-total // block), total, block, num_warps, many_base)
+        return Plan(None, -(-total // block), total, block, num_warps, base_index)
 
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a new multi-tensor layout cannot be planned during CUDA graph capture (its work table "
                            "is copied to the GPU, which capture forbids); run pack/unpack once on these tensors "
                            "before capturing")
-    elsize = tensors[many_base].element_size()
-    base_ptr = tensors[many_base].data_ptr()
-    many_starts, flat_starts, lengths = [], [], []
+    elsize = tensors[base_index].element_size()
+    base_ptr = tensors[base_index].data_ptr()
+    tensor_starts, flat_starts, lengths = [], [], []
     position = 0
     for ptr, n in runs:
         # Storage is always aligned to its element size, so this division is exact.
-        many_starts.append((ptr - base_ptr) // elsize)
+        tensor_starts.append((ptr - base_ptr) // elsize)
         flat_starts.append(position)
         lengths.append(n)
         position += n
 
-    seg_many = torch.tensor(many_starts, dtype=torch.int64)
+    seg_tensor = torch.tensor(tensor_starts, dtype=torch.int64)
     seg_flat = torch.tensor(flat_starts, dtype=torch.int64)
     seg_len = torch.tensor(lengths, dtype=torch.int64)
     blocks_per_seg = (seg_len + block - 1) // block
     seg_of_item = torch.repeat_interleave(torch.arange(len(runs)), blocks_per_seg)
     first_item = torch.cumsum(blocks_per_seg, 0) - blocks_per_seg
     within = (torch.arange(int(blocks_per_seg.sum())) - first_item[seg_of_item]) * block
-    many_off = seg_many[seg_of_item] + within
+    tensor_off = seg_tensor[seg_of_item] + within
     flat_off = seg_flat[seg_of_item] + within
     length = torch.clamp(seg_len[seg_of_item] - within, max=block)
-    src, dst = (many_off, flat_off) if many_is_source else (flat_off, many_off)
+    src, dst = (tensor_off, flat_off) if tensors_are_source else (flat_off, tensor_off)
     table = torch.stack([src, dst, length], dim=1).contiguous()
-    return Plan(table.to(device), table.shape[0], total, block, num_warps, many_base)
+    return Plan(table.to(device), table.shape[0], total, block, num_warps, base_index)
 
 
 class PlanCache:
-    """LRU cache of plans keyed by layout: addresses, sizes, dtype, direction and device. Safe to use from several
-    threads (a plan built twice by a race is the same plan)."""
+    """Plans keyed by layout: addresses, sizes, dtype, direction and device, in an :class:`~.lru.LRU`. Safe to use
+    from several threads (a plan built twice by a race is the same plan)."""
 
-    def __init__(self, capacity: int = _PLAN_CACHE_SIZE) -> None:
-        self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self._plans: LRU[Plan] = LRU(capacity)
 
-    def get(
-        self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, many_is_source: bool
-    ) -> Plan:
+    def get(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, tensors_are_source: bool) -> Plan:
         device = flat.device
-        key = (
-            many_is_source,
-            str(device),
-            flat.data_ptr(),
-            flat.numel(),
-            tensors[0].element_size() if tensors else 0,
-            tuple((t.data_ptr(), t.numel()) for t in tensors),
-        )
-        with self._lock:
-            plan: Optional[Plan] = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        plan = build_plan(tensors, flat, many_is_source, device)  # outside the lock: it may copy to the device
-        with self._lock:
-            self._plans[key] = plan
-            if len(self._plans) > self._capacity:
-                self._plans.popitem(last=False)
+        key = (tensors_are_source, str(device), flat.data_ptr(), flat.numel(),
+               tensors[0].element_size() if tensors else 0, tuple((t.data_ptr(), t.numel()) for t in tensors))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(tensors, flat, tensors_are_source, device)  # outside any lock: it may copy to the GPU
+            self._plans.put(key, plan)
         return plan
 
     def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
+        self._plans.clear()
 
 
 PLANS = PlanCache()

@@ -237,7 +237,7 @@ def _out(n=10, dtype=torch.bfloat16):
         pytest.param([torch.zeros(5), torch.zeros(5, device="meta")], _out(), 1.0, ValueError,
                      r"tensors\[1\] is on meta", id="mixed-devices"),
         pytest.param([torch.zeros(5, device="meta")], torch.empty(5, dtype=torch.bfloat16, device="meta"), 1.0,
-                     ValueError, r"tensors\[0\] is on meta; pack and unpack convert CPU or CUDA", id="all-on-meta"),
+                     ValueError, r"tensors\[0\] is on meta; the kernels convert CPU or CUDA", id="all-on-meta"),
         pytest.param([torch.zeros(10)], torch.empty(10, dtype=torch.bfloat16, device="meta"), 1.0, ValueError,
                      "out is on meta", id="out-elsewhere"),
         pytest.param([torch.zeros(10)], _out(11), 1.0, ValueError, "11 elements", id="out-too-big"),
@@ -297,10 +297,14 @@ def test_bound_launch_keeps_every_tensor_alive():
 
 
 def test_reused_launches_are_keyed_by_dtype_and_exact_scale():
-    """A cached launch was compiled for one pointer type: the same address with another dtype must not match."""
-    from ddp_triton.kernels.launch import _key_of
+    """A kept launch was compiled for one pointer type and scale: the same address with another dtype, or -0.0 for
+    0.0, must not find it."""
+    from ddp_triton.kernels.layouts import signature
 
     fp32 = torch.zeros(8)
-    fp16 = fp32.view(torch.float16)  # the very same address
-    assert fp32.data_ptr() == fp16.data_ptr() and _key_of(fp32) != _key_of(fp16)
-    assert _key_of(0.0) != _key_of(-0.0) and _key_of(0.5) == _key_of(0.5)
+    bits = fp32.view(torch.int32)  # the very same address and size, another dtype
+    out = torch.zeros(8, dtype=torch.bfloat16)
+    assert fp32.data_ptr() == bits.data_ptr()
+    assert signature("pack", [fp32], out, 0.5) != signature("pack", [bits], out, 0.5)
+    assert signature("pack", [fp32], out, 0.0) != signature("pack", [fp32], out, -0.0)
+    assert signature("pack", [fp32], out, 0.5) == signature("pack", [fp32], out, 0.5)

@@ -275,7 +275,15 @@ def test_bad_input_is_refused_by_name():
         blockscale.quantize_blocks(torch.ones(9), layout, rows)
     with pytest.raises(ValueError, match="rows has"):
         blockscale.quantize_blocks(torch.ones(10), layout, rows[:-4])
-    with pytest.raises(ValueError, match="residual has dtype"):
+    with pytest.raises(ValueError, match="rows must be 4-byte aligned"):
+        blockscale.quantize_blocks(torch.ones(10), layout, rows_for(block_layout([200], 1))[2:2 + rows.numel()])
+    with pytest.raises(TypeError, match="src must be a tensor, got list"):
+        blockscale.quantize_blocks([1.0] * 10, layout, rows)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        blockscale.quantize_blocks(torch.ones(10), layout, rows, float("inf"))
+    with pytest.raises(TypeError, match="n_ranks must be a positive int, got str"):
+        slices.sum_slices(torch.ones(4), "2", torch.empty(2))
+    with pytest.raises(TypeError, match="residual has dtype float16"):
         blockscale.quantize_blocks(torch.ones(10), layout, rows, residual=torch.zeros(10, dtype=torch.float16))
     with pytest.raises(ValueError, match="n_ranks"):
         blockscale.reduce_blocks(rows, 0, rows)
@@ -283,7 +291,7 @@ def test_bad_input_is_refused_by_name():
         blockscale.reduce_blocks(rows, 2, rows)
     with pytest.raises(ValueError, match="stats"):
         blockscale.dequantize_blocks(rows, layout, torch.empty(10), stats=torch.empty(3))
-    with pytest.raises(ValueError, match="must share dtype"):
+    with pytest.raises(TypeError, match="must share a dtype"):
         slices.sum_slices(torch.ones(4), 2, torch.empty(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="n_shards"):
         block_layout([3], 0)
