@@ -8,7 +8,9 @@ Drop-in for torch's ``allreduce_hook`` and ``bf16_compress_hook``::
 Per bucket: one kernel scales by 1/world_size in float32 and rounds once to the comm dtype, the all-reduce sums,
 and, on the all-reduce's completion, one kernel casts back into DDP's bucket buffer (with
 ``gradient_as_bucket_view=True`` that is the gradients' own storage). Buffers and launches are bound once per
-bucket and reused; nothing on this path synchronises with the host or loops over parameters.
+bucket and reused (``bucket.py``); nothing on this path synchronises with the host or loops over parameters,
+except with ``grad_stats=True``: noting which gradients the statistics cover loops over the bucket's parameters
+once per pass on the host when DDP copies gradients out of its buckets (``grad_stats.py``).
 
 Under ``torch.compile`` with compiled autograd and ``torch._dynamo.config.optimize_ddp = "python_reducer"``, DDP
 calls the hook once per parameter with ``(param.grad, param)`` and traces it; that call averages the gradient in
