@@ -90,3 +90,19 @@ class TwoDtypes(nn.Module):
 
     def forward(self, x):
         return self.second(torch.tanh(self.first(x)).to(self.second.weight.dtype)).float()
+
+
+class Branchy(nn.Module):
+    """A trunk and a branch used only while ``use_branch`` (on some steps or ranks): DDP must be told to find unused
+    parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(IN, OUT)
+        self.branch = nn.Linear(IN, OUT)
+        self.use_branch = True
+
+    def forward(self, x):
+        out = self.trunk(x)
+        return out + self.branch(x) if self.use_branch else out

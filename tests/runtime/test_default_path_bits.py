@@ -18,11 +18,10 @@ from itertools import combinations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import IN, OUT, local_backward, local_slice, make_data, make_model, torch_path_workers
+from ddp_helpers import Branchy, local_backward, local_slice, make_data, make_model, torch_path_workers
 
 BF16 = torch.bfloat16
 
@@ -111,18 +110,6 @@ def _no_sync(rank, world_size):
         local_backward(ddp, *micro[1], rank, world_size)
         check_step(ddp, ddp.module, lambda r: micro, world_size, f"no_sync step {s}")
         opt.step()
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(IN, OUT)
-        self.branch = nn.Linear(IN, OUT)
-        self.use_branch = True
-
-    def forward(self, x):
-        return self.trunk(x) + self.branch(x) if self.use_branch else self.trunk(x)
 
 
 def _unused_parameters(rank, world_size):

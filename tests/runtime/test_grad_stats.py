@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import IN, OUT, TwoDtypes, local_backward, local_slice, make_data, make_model, step, torch_path_workers
+from ddp_helpers import OUT, Branchy, TwoDtypes, local_backward, local_slice, make_data, make_model, step, torch_path_workers
 
 TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
@@ -130,20 +130,15 @@ def _no_sync(rank, world_size):
             check_clip_via_state(ddp, state, 0.05)
 
 
-class Partly(nn.Module):
-    """A branch used on some ranks or steps only (find_unused_parameters), and a frozen layer (no gradient)."""
+class Partly(Branchy):
+    """A branch used on some ranks or steps only (find_unused_parameters), then a frozen layer (no gradient)."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(IN, OUT)
-        self.branch = nn.Linear(IN, OUT)
         self.frozen = nn.Linear(OUT, OUT).requires_grad_(False)
-        self.use_branch = True
 
     def forward(self, x):
-        out = self.trunk(x)
-        return self.frozen(out + self.branch(x) if self.use_branch else out)
+        return self.frozen(super().forward(x))
 
 
 def _unused_parameters(rank, world_size):

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import (FP32_TOL, IN, OUT, TwoDtypes, assert_params_close, local_backward, local_slice,
+from ddp_helpers import (FP32_TOL, Branchy, TwoDtypes, assert_params_close, local_backward, local_slice,
                          make_data, make_model, torch_path_workers, train_ddp, train_reference)
 from dist_utils import run_workers
 from interpreter import interpreter_problem
@@ -127,21 +127,6 @@ def _no_sync_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [4])
 def test_gradient_accumulation_with_no_sync(world_size):
     torch_path_workers(_no_sync_worker, world_size)
-
-
-class Branchy(nn.Module):
-    """Uses `skipped` only on even steps: DDP must be told to find unused parameters."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(IN, OUT)
-        self.skipped = nn.Linear(IN, OUT)
-        self.use_branch = True
-
-    def forward(self, x):
-        out = self.trunk(x)
-        return out + self.skipped(x) if self.use_branch else out
 
 
 def _unused_parameters_worker(rank, world_size):
