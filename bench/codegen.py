@@ -138,11 +138,11 @@ def launch_of(variant: Variant) -> Tuple[Any, tuple, dict, int]:
     if variant.op == "pack":
         plan = build_plan(tensors, flat, True, device)
         dst = flat.view(BITS_DTYPE[flat.dtype])
-        kernel, args, constexprs = kernel_arguments(plan, tensors[plan.many_base], dst, pre, OUT_KIND[flat.dtype],
+        kernel, args, constexprs = kernel_arguments(plan, tensors[plan.base_index], dst, pre, OUT_KIND[flat.dtype],
                                                     None)
     else:
         plan = build_plan(tensors, flat, False, device)
-        base = tensors[plan.many_base]
+        base = tensors[plan.base_index]
         stats = torch.empty((plan.n_items, 2)) if variant.stats else None
         kernel, args, constexprs = kernel_arguments(plan, flat, base.view(BITS_DTYPE[base.dtype]), post,
                                                     OUT_KIND[base.dtype], stats)

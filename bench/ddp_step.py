@@ -6,17 +6,9 @@
     python -m bench.ddp_step --profile --variants no_hook,triton_hook_bf16 --steps 10   # per-bucket host times
     python -m bench.ddp_step --small --steps 5             # a quick CPU smoke run (also with --model/--profile)
 
-Models (``--model``):
-
-- ``mlp`` (default): 12 blocks of Linear(1024, 4096) - GELU - Linear(4096, 1024), 100.7M parameters, batch 64,
-  loss the mean square of the output. ``--small``: width 128, 2 blocks.
-- ``gpt2``: a decoder-only transformer of GPT-2 small's shape (12 layers, d_model 768, 12 heads, MLP 3072, vocab
-  50257, context 1024, pre-LayerNorm, tanh GELU, attention through ``scaled_dot_product_attention(is_causal=True)``,
-  learned positions, input embedding and LM head tied as in GPT-2: 124.4M parameters), cross-entropy of the next
-  token on random token ids, batch 8 x 1024 tokens. On CUDA the forward and the loss run under
-  ``torch.autocast(dtype=torch.bfloat16)``, the usual mixed precision: parameters, gradients and so the DDP buckets
-  stay float32. ``--small``: 2 layers, d_model 64, 4 heads, MLP 256, vocab 256, 32 tokens, batch 2 (seconds on CPU).
-  ``--batch`` and ``--seq`` (at most the context) set other sizes.
+Models (``--model``, built in bench/ddp_models.py, which gives their shapes): ``mlp`` (default), a 100.7M-parameter
+MLP at batch 64, or ``gpt2``, GPT-2 small's shape (124.4M parameters, batch 8 x 1024 tokens, bf16 autocast on
+CUDA). ``--small`` shrinks either to seconds on a CPU; ``--batch`` and ``--seq`` set other sizes.
 
 Each variant (no hook, torch's allreduce_hook and bf16_compress_hook, triton_hook in bfloat16 and float32, and
 triton_hook in bfloat16 followed by gradient clipping, "hook + clip via state" (``ddp_triton.clip_grad_norm_``
@@ -35,13 +27,9 @@ the profiler's own warm-up it records ``--steps`` steps (5 unless given; ``--rou
 ``torch.profiler`` (CPU, and CUDA on a GPU; every thread where torch can, so that gloo's thread, which runs late
 unpacks, is in it), writes the chrome trace
 (``ddp_trace-<model>-<variant>-view_<on|off>-rank<r>-<time>.json`` in ``--out-dir``), and reads it back into a
-table per bucket: host time in the hook's call (a range this script puts around every hook, torch's too), in the
-hook's pack, in the collective's call (triton_hook's ``ddp_triton.all_reduce`` range, else torch's ``c10d::`` ops
-inside the hook; without a hook the reducer's own ``c10d::`` calls, k-th call = bucket k), in the completion
-(``ddp_triton.unpack``), and the compute stream's idle time on the GPU while the host was in that bucket's hook;
-per step, the compute stream's idle gaps during the backward (the gaps between consecutive kernel, memcpy and
-memset events on the stream that runs most of them, over the span of the backward's own GPU work) and DDP's own
-ranges. Means over the profiled steps. On CPU there are no CUDA events: the GPU columns are None ("n/a"). Profiled
+table per bucket (host time in the hook's call, a range this script puts around every hook, torch's too; in its
+pack, collective and unpack; the GPU's idle time meanwhile) and one per step (the compute stream's idle gaps during
+the backward, DDP's own ranges): bench/ddp_profile.py reads the trace and says what each column is. Profiled
 steps carry the profiler's own cost, so their times are no benchmark result; ``--profile`` never appends to
 bench/RESULTS.md.
 """
@@ -49,9 +37,7 @@ bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import bisect
 import copy
-import dataclasses
 import datetime as _dt
 import functools
 import json
@@ -62,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,12 +56,14 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import OUT_DIR, append_results, environment, format_table, save_json  # noqa: E402
+from bench.ddp_models import Workload, make_workload  # noqa: E402
+from bench.ddp_profile import (BACKWARD_RANGE, FORWARD_RANGE, STEP_RANGE, analyse_trace,  # noqa: E402
+                               bucket_table, step_table)
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 
 #: max_norm of the clipping variants: a value the model's gradients exceed, so that every step scales them.
@@ -83,156 +71,6 @@ CLIP_MAX_NORM = 1e-3
 
 DEFAULT_VARIANTS = ("no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,triton_hook_fp32,"
                     "triton_hook_bf16_clip_state,triton_hook_bf16_clip_torch,triton_hook_bf16_graph")
-
-
-# ---- models ----------------------------------------------------------------------------------------------------------
-
-
-def make_model(width: int, blocks: int) -> nn.Module:
-    """The MLP: ``blocks`` times Linear(width, 4 width) - GELU - Linear(4 width, width)."""
-    layers: List[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
-    return nn.Sequential(*layers)
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpt2Config:
-    """The shape of a GPT-2-style decoder; the defaults are GPT-2 small's."""
-
-    layers: int = 12
-    d_model: int = 768
-    heads: int = 12
-    mlp: int = 3072
-    vocab: int = 50257
-    context: int = 1024
-
-
-GPT2_SMALL = Gpt2Config()
-#: ``--small --model gpt2``: the same code at a size a CPU runs in seconds.
-GPT2_SMOKE = Gpt2Config(layers=2, d_model=64, heads=4, mlp=256, vocab=256, context=32)
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused QKV projection, SDPA with ``is_causal=True``, output projection."""
-
-    def __init__(self, cfg: Gpt2Config) -> None:
-        super().__init__()
-        if cfg.d_model % cfg.heads:
-            raise ValueError(f"d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, head_dim)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Gpt2Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) with GPT-2's tanh GELU."""
-
-    def __init__(self, cfg: Gpt2Config) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.mlp), nn.GELU(approximate="tanh"),
-                                 nn.Linear(cfg.mlp, cfg.d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class Gpt2(nn.Module):
-    """A GPT-2-shaped decoder-only LM in plain torch.nn: token and learned position embeddings, pre-LN blocks, a
-    final LayerNorm and an LM head tied to the token embedding (as GPT-2's): token ids (b, t) -> logits (b, t, vocab).
-
-    No buffers, so DDP has nothing to broadcast before each forward. Weights are initialised as GPT-2's (normal,
-    std 0.02, zero biases), which keeps the random-token loss and its gradients in a realistic range.
-    """
-
-    def __init__(self, cfg: Gpt2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Gpt2Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one parameter, one gradient, one place in DDP's buckets
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.shape[1] > self.cfg.context:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than the context {self.cfg.context}")
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        h = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            h = block(h)
-        return self.lm_head(self.ln_f(h))
-
-
-@dataclasses.dataclass
-class Workload:
-    """What the benchmark trains: the model every variant copies, its loss, and how the results name it."""
-
-    model: nn.Module
-    loss: Callable[[nn.Module], torch.Tensor]
-    """The loss of one step of the given (DDP) model on the workload's fixed batch; the caller runs backward."""
-    title: str
-    """The RESULTS.md section's title."""
-    stem: str
-    """The saved JSON's name: ``ddp_step`` for the MLP (as before), ``ddp_step_gpt2`` for GPT-2."""
-    env: Dict[str, Any]
-    """What the output's env adds: model, parameters, batch and, for GPT-2, tokens and autocast."""
-
-
-def make_workload(model: str, small: bool, batch: Optional[int], seq: Optional[int], device: torch.device,
-                  world: int) -> Workload:
-    """Build ``model`` ("mlp" or "gpt2") on ``device`` with its batch (random inputs, seed 0)."""
-    torch.manual_seed(0)
-    if model == "mlp":
-        width, blocks = (128, 2) if small else (1024, 12)
-        batch = 64 if batch is None else batch
-        base = make_model(width, blocks).to(device)
-        params = sum(q.numel() for q in base.parameters())
-        x = torch.randn(batch, width, device=device)
-        title = f"bench/ddp_step.py (world size {world}, {params / 1e6:.1f}M parameters, batch {batch})"
-        return Workload(base, lambda m: m(x).float().square().mean(), title, "ddp_step",
-                        {"model": "mlp", "parameters": params, "batch": batch})
-    if model != "gpt2":
-        raise ValueError(f"unknown model {model}")
-    cfg = GPT2_SMOKE if small else GPT2_SMALL
-    batch = (2 if small else 8) if batch is None else batch
-    seq = cfg.context if seq is None else seq
-    if not 0 < seq <= cfg.context:
-        raise ValueError(f"--seq {seq}: the model's context is {cfg.context} tokens")
-    base = Gpt2(cfg).to(device)
-    params = sum(q.numel() for q in base.parameters())  # the tied head counts once, as in GPT-2's 124M
-    tokens = torch.randint(cfg.vocab, (batch, seq + 1), device=device)
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    autocast = device.type == "cuda"
-
-    def loss(m: nn.Module) -> torch.Tensor:
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = m(inputs)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    precision = "bf16 autocast" if autocast else "float32"
-    title = (f"bench/ddp_step.py --model gpt2 (world size {world}, {params / 1e6:.1f}M parameters, batch {batch} x "
-             f"{seq} tokens, {precision})")
-    return Workload(base, loss, title, "ddp_step_gpt2",
-                    {"model": "gpt2", "parameters": params, "batch": batch, "seq": seq,
-                     "gpt2_config": dataclasses.asdict(cfg), "tied_embeddings": True,
-                     "autocast": "bfloat16" if autocast else None})
 
 
 # ---- the job, the variants, the step ---------------------------------------------------------------------------------
@@ -357,28 +195,7 @@ def time_steps(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: int, 
     return times
 
 
-# ---- profiling -------------------------------------------------------------------------------------------------------
-
-STEP_RANGE = "ddp_step.step"
-FORWARD_RANGE = "ddp_step.forward"
-BACKWARD_RANGE = "ddp_step.backward"
-#: The range this script puts around every comm hook's call in --profile (torch's hooks too).
-HOOK_RANGE = re.compile(r"^ddp_step\.hook bucket (\d+)$")
-#: triton_hook's own ranges (ddp_triton/runtime/telemetry.py): pack, the collective phase(s), unpack; the float32
-#: sums' exchange also has a local "reduce" between its all-to-all and all-gather.
-TRITON_RANGE = re.compile(r"^ddp_triton\.(\w+) bucket (\d+) \(")
-#: The phases of TRITON_RANGE that are a collective's call.
-COLLECTIVE_PHASES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter", "collective")
-#: Collective calls through the dispatcher (ProcessGroup.allreduce, dist.all_reduce, DDP's reducer).
-COLLECTIVE_OP = "c10d::"
-#: DDP's own ranges: the forward's, and the reducer's (gradient copies into and out of the buckets, ...).
-DDP_RANGE = re.compile(r"^(DistributedDataParallel|torch\.distributed\.ddp|torch::distributed::reducer)")
-#: Trace categories of work on a GPU stream (not "gpu_user_annotation", which only mirrors host ranges there).
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-#: Host-side launch records, whose "correlation" names the GPU event they launched.
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-Interval = Tuple[float, float]
+# ---- profiling: recording the trace (bench/ddp_profile.py reads it) --------------------------------------------------
 
 
 def hook_in_range(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -461,258 +278,6 @@ def profile_variant(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: 
         prof.stop()
     prof.export_chrome_trace(str(trace_path))
     return all_threads, note
-
-
-def _span(event: Dict[str, Any]) -> Interval:
-    start = float(event["ts"])
-    return start, start + float(event.get("dur", 0.0))
-
-
-def merge(intervals: Iterable[Interval]) -> List[Interval]:
-    """Sorted, non-overlapping union of ``intervals``."""
-    out: List[Interval] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def length(intervals: Iterable[Interval]) -> float:
-    """Length of the union of ``intervals``."""
-    return sum(end - start for start, end in merge(intervals))
-
-
-def overlap(a: Sequence[Interval], b: Sequence[Interval]) -> float:
-    """Length of the intersection of two merged interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def idle_gaps(events: Sequence[Interval]) -> List[Interval]:
-    """The gaps between consecutive events of one stream (by start; an event inside an earlier one is no gap)."""
-    gaps: List[Interval] = []
-    end: Optional[float] = None
-    for start, stop in sorted(events):
-        if end is not None and start > end:
-            gaps.append((end, start))
-        end = stop if end is None else max(end, stop)
-    return gaps
-
-
-def _within(events: List[Tuple[float, float, Dict[str, Any]]], starts: List[float], window: Interval
-            ) -> List[Tuple[float, float, Dict[str, Any]]]:
-    """The events (sorted by start, ``starts`` their starts) that start inside ``window``."""
-    return events[bisect.bisect_left(starts, window[0]):bisect.bisect_right(starts, window[1])]
-
-
-def backward_gpu_span(stream: Sequence[Tuple[float, float, Dict[str, Any]]], launches: Dict[Any, float],
-                      backward: Interval, step: Interval) -> Interval:
-    """Where the backward's work runs on ``stream`` (GPU events, sorted by start): from the first event launched
-    during the ``backward`` host range to the first event launched after it within the ``step`` (the clip's or the
-    optimizer's; in stream order nothing of the backward runs later), else the step's end. Events without a launch
-    record (a launch path the profiler does not see) then still count by where they ran. Without any launch record
-    in the backward, the host range itself (the GPU's clock is the profiler's common one)."""
-    first: Optional[float] = None
-    end = step[1]
-    for start, _, event in stream:
-        at = launches.get(event.get("args", {}).get("correlation"))
-        if at is None:
-            continue
-        if backward[0] <= at <= backward[1]:
-            first = start if first is None else min(first, start)
-        elif backward[1] < at <= step[1]:
-            end = min(end, start)
-    if first is None:
-        return backward
-    return first, end
-
-
-def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if present else None
-
-
-def analyse_trace(trace: Dict[str, Any]) -> Dict[str, Any]:
-    """Per bucket and per step, from a chrome trace that ``profile_variant`` wrote (a dict: its JSON).
-
-    Returns ``{"steps": n, "buckets": [row per bucket index], "step": {...}, "ddp_ranges": {name: us per step},
-    "gpu": bool}``: every time in microseconds, means over the trace's ``ddp_step.step`` ranges (a bucket's mean
-    over the steps it appears in). GPU fields are None where the trace holds no GPU events (CPU runs).
-
-    Host times are the ranges' durations on whichever thread ran them (every thread where the profiler recorded
-    them all). GPU idle: on the compute stream (the stream with the most non-NCCL events), the backward's span
-    (``backward_gpu_span``: launch records matched to GPU events through their "correlation"); its idle time is the
-    sum of the gaps between consecutive events that start in that span. A bucket's ``gpu_idle_in_hook_us`` is the
-    part of those gaps that fell while the host was in that bucket's hook (its hook range and unpack, or for no hook
-    its collective call), on the profiler's common clock. ``other_us``: triton_hook phases that are neither pack,
-    collective nor unpack (the float32 sums' local reduce).
-    """
-    host: List[Tuple[float, float, Dict[str, Any]]] = []
-    gpu: List[Tuple[float, float, Dict[str, Any]]] = []
-    launches: Dict[Any, float] = {}
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X" or "ts" not in e:
-            continue
-        cat = e.get("cat")
-        start, end = _span(e)
-        if cat in GPU_CATEGORIES:
-            gpu.append((start, end, e))
-        elif cat != "gpu_user_annotation":
-            host.append((start, end, e))
-            if cat in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-                launches[e["args"]["correlation"]] = start
-    host.sort(key=lambda t: t[0])
-    host_starts = [t[0] for t in host]
-
-    compute: List[Tuple[float, float, Dict[str, Any]]] = []
-    stream_name: Optional[str] = None
-    if gpu:
-        counts: Dict[Tuple[Any, Any], int] = {}
-        for _, _, e in gpu:
-            if not str(e.get("name", "")).lower().startswith("nccl"):
-                key = (e.get("pid"), e.get("tid"))
-                counts[key] = counts.get(key, 0) + 1
-        if counts:
-            key = max(counts, key=counts.__getitem__)
-            stream_name = f"device {key[0]} {key[1]}"
-            compute = sorted((t for t in gpu if (t[2].get("pid"), t[2].get("tid")) == key), key=lambda t: t[0])
-    compute_starts = [t[0] for t in compute]
-
-    steps = [(s, e) for s, e, ev in host if ev.get("name") == STEP_RANGE]
-    per_bucket: Dict[int, List[Dict[str, Optional[float]]]] = {}
-    per_step: List[Dict[str, Optional[float]]] = []
-    ddp_ranges: Dict[str, float] = {}
-    for window in steps:
-        events = _within(host, host_starts, window)
-        backward = next(((s, e) for s, e, ev in events if ev.get("name") == BACKWARD_RANGE), window)
-
-        # Host ranges per bucket.
-        hooks: Dict[int, List[Tuple[float, float, Any]]] = {}
-        phases: Dict[int, Dict[str, List[Interval]]] = {}
-        collective_calls: List[Tuple[float, float, Any]] = []
-        for s, e, ev in events:
-            name = str(ev.get("name", ""))
-            m = HOOK_RANGE.match(name)
-            if m:
-                hooks.setdefault(int(m.group(1)), []).append((s, e, ev.get("tid")))
-                continue
-            m = TRITON_RANGE.match(name)
-            if m:
-                phase = m.group(1)
-                if phase not in ("pack", "unpack"):
-                    phase = "collective" if phase in COLLECTIVE_PHASES else "other"
-                phases.setdefault(int(m.group(2)), {}).setdefault(phase, []).append((s, e))
-                continue
-            if name.startswith(COLLECTIVE_OP):
-                collective_calls.append((s, e, ev.get("tid")))
-            elif DDP_RANGE.match(name):
-                ddp_ranges[name] = ddp_ranges.get(name, 0.0) + (e - s)
-
-        def calls_inside(s: float, e: float, tid: Any) -> List[Interval]:
-            return [(cs, ce) for cs, ce, ct in collective_calls if ct == tid and s <= cs and ce <= e]
-
-        buckets: Dict[int, Dict[str, Any]] = {}
-        for index in sorted(set(hooks) | set(phases)):
-            ranges = phases.get(index, {})
-            spans = hooks.get(index, [])
-            if "collective" in ranges:
-                collective: Optional[float] = length(ranges["collective"])
-            else:
-                inside = [iv for s, e, tid in spans for iv in calls_inside(s, e, tid)]
-                collective = length(inside) if inside else None
-            host_intervals = [(s, e) for s, e, _ in spans] or [iv for ivs in ranges.values() for iv in ivs]
-            host_intervals += ranges.get("unpack", [])
-            buckets[index] = {
-                "hook_us": sum(e - s for s, e, _ in spans) if spans else None,
-                "pack_us": sum(e - s for s, e in ranges["pack"]) if "pack" in ranges else None,
-                "collective_us": collective,
-                "unpack_us": sum(e - s for s, e in ranges["unpack"]) if "unpack" in ranges else None,
-                "other_us": sum(e - s for s, e in ranges["other"]) if "other" in ranges else None,
-                "host": merge(host_intervals),
-            }
-        if not buckets:  # no hook: DDP's reducer calls the collective itself, bucket by bucket in index order
-            calls = [c for c in collective_calls if backward[0] <= c[0] <= backward[1]]
-            top = [c for c in calls
-                   if not any(o is not c and o[2] == c[2] and o[0] <= c[0] and c[1] <= o[1] for o in calls)]
-            for index, (s, e, _) in enumerate(sorted(top, key=lambda c: c[0])):
-                buckets[index] = {"hook_us": None, "pack_us": None, "collective_us": e - s, "unpack_us": None,
-                                  "other_us": None, "host": [(s, e)]}
-
-        # The compute stream during the backward.
-        gaps: Optional[List[Interval]] = None
-        busy = events_in_backward = None
-        if compute:
-            span = backward_gpu_span(compute, launches, backward, window)
-            running = [(s, e) for s, e, _ in _within(compute, compute_starts, span) if s < span[1]]
-            gaps = idle_gaps(running)
-            busy, events_in_backward = length(running), float(len(running))
-        for index, row in buckets.items():
-            row["gpu_idle_in_hook_us"] = overlap(merge(gaps), row.pop("host")) if gaps is not None else None
-            per_bucket.setdefault(index, []).append(row)
-
-        def bucket_sum(field: str) -> Optional[float]:
-            values = [r[field] for r in buckets.values() if r[field] is not None]
-            return sum(values) if values else None
-
-        per_step.append({
-            "step_ms": (window[1] - window[0]) / 1e3,
-            "backward_us": backward[1] - backward[0],
-            "buckets": float(len(buckets)),
-            "hook_us": bucket_sum("hook_us"),
-            "collective_us": bucket_sum("collective_us"),
-            "gpu_busy_backward_us": busy,
-            "gpu_idle_backward_us": sum(e - s for s, e in gaps) if gaps is not None else None,
-            "gpu_gaps_backward": float(len(gaps)) if gaps is not None else None,
-            "gpu_events_backward": events_in_backward,
-        })
-
-    fields = ("hook_us", "pack_us", "collective_us", "unpack_us", "other_us", "gpu_idle_in_hook_us")
-    rows = [{"bucket": index, **{f: _mean([r[f] for r in seen]) for f in fields}, "steps": len(seen)}
-            for index, seen in sorted(per_bucket.items())]
-    step_fields = per_step[0].keys() if per_step else ()
-    summary = {f: _mean([s[f] for s in per_step]) for f in step_fields}
-    summary["compute_stream"] = stream_name
-    return {"steps": len(steps), "buckets": rows, "step": summary, "gpu": bool(compute),
-            "ddp_ranges": {name: total / len(steps) for name, total in sorted(ddp_ranges.items())}}
-
-
-BUCKET_HEADERS = ["bucket", "hook us", "pack us", "collective us", "unpack us", "GPU idle in hook us"]
-STEP_HEADERS = ["variant", "bucket view", "buckets", "step ms (profiled)", "backward us", "hook us/step",
-                "collective us/step", "GPU busy bwd us", "GPU idle bwd us", "GPU gaps bwd"]
-
-
-def _gpu_cell(value: Optional[float], gpu: bool) -> Any:
-    return value if gpu else "n/a"
-
-
-def bucket_table(result: Dict[str, Any]) -> str:
-    """The per-bucket table of one profiled variant (GPU column "n/a" without CUDA events)."""
-    return format_table(BUCKET_HEADERS, [[r["bucket"], r["hook_us"], r["pack_us"], r["collective_us"],
-                                          r["unpack_us"], _gpu_cell(r["gpu_idle_in_hook_us"], result["gpu"])]
-                                         for r in result["buckets"]])
-
-
-def step_table(results: Sequence[Dict[str, Any]]) -> str:
-    """One row per profiled variant: the step's totals and the compute stream's idle time in the backward."""
-    rows = []
-    for r in results:
-        s, gpu = r["step"], r["gpu"]
-        rows.append([r["variant"], r["gradient_as_bucket_view"], s.get("buckets"), s.get("step_ms"),
-                     s.get("backward_us"), s.get("hook_us"), s.get("collective_us"),
-                     _gpu_cell(s.get("gpu_busy_backward_us"), gpu), _gpu_cell(s.get("gpu_idle_backward_us"), gpu),
-                     _gpu_cell(s.get("gpu_gaps_backward"), gpu)])
-    return format_table(STEP_HEADERS, rows)
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------

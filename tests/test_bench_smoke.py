@@ -141,8 +141,8 @@ def _cuda_step(t0, hook0_dur):
 
 def test_ddp_step_profile_reads_a_cuda_trace():
     """The GPU columns, from a synthetic trace shaped like the profiler's on CUDA (no GPU here to make one)."""
-    ddp_step = _import_bench("ddp_step")
-    result = ddp_step.analyse_trace(_trace(*_cuda_step(0, 300), *_cuda_step(20000, 500)))
+    ddp_profile = _import_bench("ddp_profile")
+    result = ddp_profile.analyse_trace(_trace(*_cuda_step(0, 300), *_cuda_step(20000, 500)))
     assert result["steps"] == 2 and result["gpu"] is True
     step = result["step"]
     assert step["compute_stream"] == "device 0 7"  # the NCCL stream is never the compute stream
@@ -164,8 +164,8 @@ def test_ddp_step_profile_reads_a_cuda_trace():
 
 def test_ddp_step_profile_without_a_hook_counts_the_reducers_calls():
     """No hook: the reducer's top-level c10d calls in the backward are buckets 0, 1, ... in order; no GPU events."""
-    ddp_step = _import_bench("ddp_step")
-    result = ddp_step.analyse_trace(_trace(
+    ddp_profile = _import_bench("ddp_profile")
+    result = ddp_profile.analyse_trace(_trace(
         ("user_annotation", "ddp_step.step", 0, 1000, 1),
         ("cpu_op", "c10d::broadcast_", 10, 5, 1),  # before the backward: not a bucket
         ("user_annotation", "ddp_step.backward", 100, 800, 1),
@@ -176,7 +176,7 @@ def test_ddp_step_profile_without_a_hook_counts_the_reducers_calls():
     assert result["gpu"] is False and result["step"]["gpu_idle_backward_us"] is None
     assert [(b["bucket"], b["collective_us"], b["hook_us"], b["gpu_idle_in_hook_us"]) for b in result["buckets"]] == [
         (0, 30, None, None), (1, 20, None, None)]
-    assert ddp_step.bucket_table(result).count("n/a") == 2
+    assert ddp_profile.bucket_table(result).count("n/a") == 2
 
 
 def test_kernels_benchmark_says_so_without_a_gpu():

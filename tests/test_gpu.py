@@ -227,10 +227,10 @@ flat = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
 comm = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
 # Plan the layouts and compile the kernels (not the direct launch's self-check) before capture, as a warm-up would.
 flat.zero_()
-for tensors, flat_side, many_is_source, scale, out_kind in ((grads, flat, True, 0.5, 0), (grads, flat, False, 2.0, 2),
-                                                            ([bucket], comm, True, 0.25, 0)):
-    plan = PLANS.get(tensors, flat_side, many_is_source)
-    src, dst = (tensors[0], flat_side.view(torch.int16)) if many_is_source else (flat_side, tensors[0].view(torch.int32))
+for tensors, flat_side, from_tensors, scale, out_kind in ((grads, flat, True, 0.5, 0), (grads, flat, False, 2.0, 2),
+                                                          ([bucket], comm, True, 0.25, 0)):
+    plan = PLANS.get(tensors, flat_side, from_tensors)
+    src, dst = (tensors[0], flat_side.view(torch.int16)) if from_tensors else (flat_side, tensors[0].view(torch.int32))
     kernel, args, constexprs = launch.kernel_arguments(plan, src, dst, scale, out_kind, None)
     launch.launch(plan, kernel, args, constexprs)
 for g in grads:

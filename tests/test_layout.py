@@ -2,7 +2,9 @@
 
 Tier: no device. The layers themselves are import-linter's contracts in pyproject.toml (``lint-imports``, run by
 .ci/run); this checks what a contract cannot say: that no module, in any layer, takes part in an import cycle, with
-imports inside functions counted as well.
+imports inside functions counted as well. bench/ is outside the package and outside those contracts: its layers
+(bench.cluster's cli > supervisor > network, bench.ddp_step above its models and its trace analysis) are checked
+here.
 """
 
 import ast
@@ -94,7 +96,7 @@ def test_cycle_finder_finds_one():
 def test_bench_imports_public_names_only():
     """bench/ is outside the package: it uses what a user could, no ``_private`` name or module of ddp_triton."""
     private = []
-    for path in sorted((REPO / "bench").glob("*.py")):
+    for path in sorted((REPO / "bench").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_triton"):
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -102,9 +104,48 @@ def test_bench_imports_public_names_only():
                 names = [a.name for a in node.names if a.name.startswith("ddp_triton")]
             else:
                 continue
-            private += [f"{path.name}:{node.lineno}: {n}" for n in names
+            private += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
                         if any(part.startswith("_") for part in n.split("."))]
     assert private == []
+
+
+@pytest.fixture(scope="module")
+def bench_graph():
+    """The import graph of bench/ as the checkout has it (bench/ is not installed)."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    try:
+        return grimp.build_graph("bench", cache_dir=None)
+    finally:
+        sys.path.remove(str(REPO))
+
+
+@pytest.mark.parametrize("module, may_import", [
+    pytest.param("bench.cluster.network", set(), id="cluster.network"),
+    pytest.param("bench.cluster.supervisor", {"bench.cluster.network"}, id="cluster.supervisor"),
+    pytest.param("bench.cluster.cli", {"bench.cluster.supervisor", "bench.cluster.network"}, id="cluster.cli"),
+    pytest.param("bench.cluster.__main__", {"bench.cluster.cli"}, id="cluster.__main__"),
+    pytest.param("bench.ddp_models", set(), id="ddp_models"),
+    pytest.param("bench.ddp_profile", {"bench.common"}, id="ddp_profile"),
+])
+def test_bench_modules_import_only_the_layers_below(bench_graph, module, may_import):
+    """bench.cluster in layers, cli > supervisor > network; the DDP step's models and trace analysis know nothing of
+    the benchmark that uses them."""
+    imported = {m for m in bench_graph.find_modules_directly_imported_by(module) if m.split(".")[0] == "bench"}
+    assert imported <= may_import, sorted(imported - may_import)
+
+
+def test_bench_has_no_import_cycle(bench_graph):
+    """As for the package: a package's __init__ re-exporting its modules is no cycle."""
+
+    class Edges:
+        def find_modules_directly_imported_by(self, m):
+            return {t for t in bench_graph.find_modules_directly_imported_by(m) if not m.startswith(t + ".")}
+
+    modules = set(bench_graph.modules)
+    assert {"bench.cluster.cli", "bench.ddp_step", "bench.ddp_profile"} <= modules
+    assert _cycles(Edges(), modules) == []
 
 
 @pytest.mark.parametrize("old,new", [("ddp_triton.topology", "ddp_triton.machine.topology"),

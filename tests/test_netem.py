@@ -1,4 +1,4 @@
-"""The emulated multi-node cluster, bench/cluster.py: its links are shaped for real, it leaves nothing behind, and a
+"""The emulated multi-node cluster, bench/cluster/: its links are shaped for real, it leaves nothing behind, and a
 multi-node autotune under ``torchrun --nnodes`` writes one profile cache per node, the same on every node.
 
 Tiers: the first tests (parsing, usage, missing privileges) need nothing. The ``netem`` tier builds network
