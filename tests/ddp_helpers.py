@@ -9,6 +9,7 @@ trains on rows [r * BATCH/N, (r + 1) * BATCH/N), so N ranks together see the bat
 import torch
 import torch.nn as nn
 
+from ddp_triton.machine.profile import Profile, TableEntry
 from dist_utils import run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
 
@@ -106,3 +107,11 @@ class Branchy(nn.Module):
     def forward(self, x):
         out = self.trunk(x)
         return out + self.branch(x) if self.use_branch else out
+
+
+SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
+
+
+def two_range_profile(world_size, comm_dtype="float32", split=SPLIT_BYTES):
+    return Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype=comm_dtype,
+                   bucket_cap_mb=1.0, table=[TableEntry(0, split, "tree"), TableEntry(split + 1, None, "ring")])

@@ -14,7 +14,7 @@ from bits import assert_same_bits, reference_pack
 from ddp_triton.kernels import bind_pack, bind_unpack, launch, pack, unpack
 from ddp_triton.kernels.layouts import signature
 from ddp_triton.kernels.pack import LAYOUTS
-from test_kernels import DTYPE_IDS, DTYPES, EDGE_FLOAT32, random_bit_patterns
+from bits import DTYPE_IDS, DTYPES, EDGE_FLOAT32, random_bit_patterns
 
 pytestmark = pytest.mark.gpu
 

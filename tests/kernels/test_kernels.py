@@ -10,13 +10,11 @@ import math
 import pytest
 import torch
 
-from bits import assert_same_bits, bits, reference_pack
+from bits import DTYPE_IDS, DTYPES, EDGE_FLOAT32, assert_same_bits, bits, random_bit_patterns, reference_pack
 from interpreter import interpreter_problem
 from ddp_triton.kernels import bind_pack, bind_unpack, pack, torch_path, unpack, uses_triton
 from ddp_triton.kernels.worklist import build_plan, segments
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 SHAPES = [
     pytest.param([], id="no-tensors"),
@@ -35,35 +33,6 @@ pytestmark = pytest.mark.skipif(not uses_triton(torch.device("cpu")) or interpre
 def make(shapes, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=gen).mul(3).to(dtype) for s in shapes]
-
-
-def random_bit_patterns(n, dtype, seed=0):
-    """Every bit pattern is equally likely: NaNs, infinities, subnormals and both zeros all turn up."""
-    gen = torch.Generator().manual_seed(seed)
-    if dtype == torch.float32:
-        raw = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
-    else:
-        raw = torch.randint(-(2**15), 2**15, (n,), generator=gen, dtype=torch.int64).to(torch.int16)
-    return raw.view(dtype)
-
-
-def float32_from_bits(values):
-    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
-
-
-# Values at the edges of rounding: ties to even in bfloat16 and float16, overflow to infinity, subnormals.
-EDGE_FLOAT32 = torch.cat(
-    [
-        torch.tensor(
-            [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 3.4028235e38, -3.4028235e38, 1.1754944e-38,
-             1e-45, -1e-45, 1e-40, 65504.0, 65519.0, 65520.0, 1e5, 6e-8, 2.98e-8, 5.96e-8, 1e-5, 0.1, 1 / 3]
-        ),
-        float32_from_bits(
-            [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF,
-             0x7F800001, 0xFFC00001, 0x00008000, 0x00018000, 0x807FFFFF, 0x3F801000, 0x3F803000]
-        ),
-    ]
-)
 
 
 @pytest.mark.parametrize("shapes", SHAPES)

@@ -15,15 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_triton.machine.profile import Profile, ProfileError, TableEntry
 from ddp_triton.runtime.bucket import collective_averages
-from ddp_helpers import FP32_TOL, assert_params_close, make_model, torch_path_workers, train_ddp, train_reference
-
-SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger ones "ring"
-
-
-def two_range_profile(world_size, comm_dtype="float32", split=SPLIT_BYTES):
-    return Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype=comm_dtype,
-                   bucket_cap_mb=1.0, table=[TableEntry(0, split, "tree"), TableEntry(split + 1, None, "ring")])
-
+from ddp_helpers import (FP32_TOL, SPLIT_BYTES, assert_params_close, make_model, torch_path_workers, train_ddp,
+                         train_reference, two_range_profile)
 
 def _dispatch_worker(rank, world_size):
     model = make_model()

@@ -19,8 +19,7 @@ import ddp_triton
 from dist_utils import init_gloo, run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
 from ddp_triton.runtime.state import CommState
-from ddp_helpers import local_backward, make_data, make_model, train_ddp
-from test_hook_profile import two_range_profile
+from ddp_helpers import local_backward, make_data, make_model, train_ddp, two_range_profile
 
 STEPS = 4
 
