@@ -17,7 +17,7 @@ import torch
 
 from bits import assert_same_bits, reference_pack
 from interpreter import interpreter_problem
-from ddp_triton.kernels import pack, unpack, uses_triton
+from ddp_triton.kernels import pack, torch_path, unpack, uses_triton
 from ddp_triton.kernels.layouts import LayoutCache, signature
 
 pack_module = importlib.import_module("ddp_triton.kernels.pack")
@@ -343,3 +343,21 @@ def test_signature_reads_current_metadata():
     t.as_strided_((4, 2), (1, 4))
     assert signature("pack", [t], out, 1.0) != before
     assert signature("pack", [t], out, -0.0) != signature("pack", [t], out, 0.0)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                 (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32-bf16", "fp32-fp16", "fp16-fp32", "bf16-bf16"])
+def test_torch_path_scales_through_float32_chunks_with_one_rounding(src_dtype, dst_dtype):
+    """The CPU path's product goes through a float32 scratch buffer, chunk by chunk (CHUNK elements): across chunk
+    boundaries and a short last chunk, the bits are still the float32 product rounded once."""
+    n = 2 * torch_path.CHUNK + 17
+    src = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e3).to(src_dtype)
+    out = torch.empty(n, dtype=dst_dtype)
+    for canonical in (True, False):
+        bound = torch_path.bind_pack([src], out, 0.3, canonical)
+        bound()
+        assert_same_bits(out, reference_pack([src], dst_dtype, 0.3))
+    back = torch.empty(n, dtype=src_dtype)
+    torch_path.bind_unpack(out, [back], 1 / 3, None)()
+    assert_same_bits(back, (out.float() * (1 / 3)).to(src_dtype))
