@@ -7,8 +7,8 @@ For each preset and node count: ``ddp-triton autotune --model-only`` (``machine.
 the wire, float32 gradients) with the model's size unknown (buckets capped at 64 MiB) and for a model of 1.5 billion
 parameters (6 GiB of float32 gradients, capped at a quarter of that), the bucket's all-reduce (algorithm, busbw), and
 what DDP's default 25 MiB bucket gets, each also with the host time a bucket costs counted against its all-reduce
-(``--host-us-per-bucket``, autotune's default). Presets that describe no NICs get ``--inter-node-gbps`` (default 50 GB/s per
-node, 4 x 100 Gb/s), marked with *.
+(``--host-us-per-bucket``, autotune's default). Presets that describe no NICs get ``--inter-node-gbps`` (default
+50 GB/s per node, 4 x 100 Gb/s), marked with *.
 """
 
 from __future__ import annotations

@@ -26,12 +26,13 @@ their buffers at the new buckets), the variants take turns in rounds, each timed
 is the median over rounds of its step time minus the no-hook step time of the same round, and a ratio the median
 over rounds of the two variants' extra times in the same round: pairs taken minutes apart at most, where this
 machine's speed drifts by tens of percent over a run (the JSON's rows also give every round's time, the median step
-and the fastest round). CPU tensors take the kernels' torch path (``kernels/torch_path.py``, ``kernels/torch_wire.py``), the
-path a gloo job runs; Triton's interpreter, which ``TRITON_INTERPRET=1`` would select, is refused.
+and the fastest round). CPU tensors take the kernels' torch path (``kernels/torch_path.py``,
+``kernels/torch_wire.py``), the path a gloo job runs; Triton's interpreter, which ``TRITON_INTERPRET=1`` would
+select, is refused.
 
 torch refuses ``bf16_compress_hook`` by name outside NCCL (its check predates gloo's bfloat16 sums); the script
-registers a copy of the same function under another name. The ratios compare each of our variants with torch's
-hook of the same wire format: float32 with ``allreduce_hook``, float16 with ``fp16_compress_hook``, bfloat16 (and
+registers a copy of the same function under another name. The ratios compare each of our variants with torch's hook
+of the same wire format: float32 with ``allreduce_hook``, float16 with ``fp16_compress_hook``, bfloat16 (and
 bfloat16 with float32 sums, and FP8, which torch lacks) with ``bf16_compress_hook``.
 """
 

@@ -122,8 +122,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
              **state_options: Any) -> CommState:
     """Build a CommState (``state_options`` as its fields) and register ``triton_hook`` on ``ddp_model``.
 
-    The process group and device default to the model's own. Checks up front what would otherwise fail at the first bucket:
-    parameters of a dtype the kernels do not convert. Call on every rank, in the same order.
+    The process group and device default to the model's own. Checks up front what would otherwise fail at the first
+    bucket: parameters of a dtype the kernels do not convert. Call on every rank, in the same order.
     Or pass a ``state`` of your own, e.g. one built before ``init_process_group``: it binds here, to the model's
     group and device where it was given none.
     """

@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import OUT, Branchy, TwoDtypes, local_backward, local_slice, make_data, make_model, step, torch_path_workers
+from ddp_helpers import (OUT, Branchy, TwoDtypes, local_backward, local_slice, make_data, make_model, step,
+                         torch_path_workers)
 
 TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
