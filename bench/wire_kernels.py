@@ -1,6 +1,7 @@
-"""GPU throughput of the wire-format kernels against the copy ceiling measured in the same run.
+"""Throughput of the wire-format kernels: on the GPU against the copy ceiling, on CPU against the bf16 pack.
 
     python -m bench.wire_kernels [--mb 25] [--ranks 8] [--out-dir DIR] [--no-append]
+    python -m bench.wire_kernels --cpu [--mb 25] [--ranks 4] [--json]    # the torch path, one thread
 
 For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all-to-all's received buffer is
 simulated, each rank's slice the same bytes), times each launch the exchanges make, bound as the exchanges bind
@@ -14,12 +15,20 @@ them (``kernels.bind_*``: direct launches), and counts the bytes it must move:
 - sum of slices (bfloat16, N ranks): reads N * 2 B, writes 2 B per shard element;
 - torch's ``copy_`` of the bucket to bfloat16 as a reference point (4 + 2 B per element).
 
-GB/s = bytes / median time; "of ceiling" divides by a float32 copy's GB/s (read + write). Needs CUDA.
+GB/s = bytes / median time; "of ceiling" divides by a float32 copy's GB/s (read + write).
+
+``--cpu``: the torch path a gloo job runs on CPU tensors (``kernels/torch_wire.py``; ``TRITON_INTERPRET`` unset),
+on one thread, bound as the exchanges bind it. What one rank does per step and bucket element, side by side in one
+run: FP8 E4M3 with error feedback (quantize the bucket, reduce its shard over N ranks' copies, dequantize the
+all-gathered bucket into float32 gradients) against bfloat16 (pack the bucket at scale 1/N, unpack it), and bf16
+with float32 sums (pack, sum of slices, unpack). ``fp8_over_bf16_cpu`` is FP8's nanoseconds per element over
+bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -73,15 +82,82 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
     return out_rows
 
 
+def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
+    """Nanoseconds per bucket element of each pass of the torch path, and the per-format totals and ratio."""
+    from ddp_triton.kernels import bind_pack, bind_unpack
+
+    cpu = torch.device("cpu")
+    n = int(mb * MiB) // 4
+    gen = torch.Generator().manual_seed(0)
+    bucket = torch.randn(n, generator=gen)
+    layout = block_layout([n], ranks)
+    residual = torch.zeros(n)
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+    quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual)
+    shard_rows = layout.rows_per_shard
+    received = send[: shard_rows * ROW_BYTES].repeat(ranks)
+    shard = torch.empty(shard_rows * ROW_BYTES, dtype=torch.uint8)
+    shard_residual = torch.zeros(shard_rows * 128)
+    grads = torch.empty_like(bucket)
+    wire16 = torch.empty(n, dtype=torch.bfloat16)
+    slice_n = -(-n // ranks)
+    sent16 = torch.zeros(slice_n * ranks, dtype=torch.bfloat16)
+    summed16 = torch.empty(slice_n, dtype=torch.bfloat16)
+    passes = {
+        "bf16 pack": bind_pack([bucket], wire16, 1.0 / ranks, canonical_nan=False),
+        "bf16 unpack": bind_unpack(wire16, [grads], 1.0, canonical_nan=False),
+        f"bf16 sum of slices x{ranks}": bind_sum_slices(sent16, ranks, summed16, canonical_nan=False),
+        "fp8 quantize +ef": bind_quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
+        f"fp8 reduce x{ranks} +ef": bind_reduce_blocks(received, ranks, shard, residual=shard_residual),
+        "fp8 dequantize": bind_dequantize_blocks(send, layout, grads, canonical_nan=False),
+    }
+    ns = {name: bench_us(fn, cpu, rep_ms=400) * 1e3 / n for name, fn in passes.items()}
+    bf16 = ns["bf16 pack"] + ns["bf16 unpack"]
+    fp8 = ns["fp8 quantize +ef"] + ns[f"fp8 reduce x{ranks} +ef"] + ns["fp8 dequantize"]
+    sums = bf16 + ns[f"bf16 sum of slices x{ranks}"]
+    return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(), "ns_per_element": ns,
+            "bf16_ns": bf16, "bf16_fp32sum_ns": sums, "fp8_ns": fp8, "fp8_over_bf16_cpu": fp8 / bf16,
+            "bf16_fp32sum_over_bf16_cpu": sums / bf16}
+
+
+def main_cpu(args: argparse.Namespace) -> int:
+    from ddp_triton.kernels import INTERPRETER
+
+    if INTERPRETER:
+        print("bench.wire_kernels --cpu times the torch path: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    result = cpu_rows(args.mb, args.ranks)
+    result["env"] = environment(torch.device("cpu"))
+    save_json("wire_kernels_cpu", result, args.out_dir)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{result['env']}; {result['elements']} elements ({args.mb:g} MiB float32), {args.ranks} ranks, one thread")
+    print(format_table(["pass", "ns per bucket element"], [[k, v] for k, v in result["ns_per_element"].items()]))
+    print(f"bf16 (pack + unpack) {result['bf16_ns']:.2f} ns, bf16 + fp32 sums {result['bf16_fp32sum_ns']:.2f}, "
+          f"FP8 + ef (quantize + reduce + dequantize) {result['fp8_ns']:.2f}: fp8_over_bf16_cpu "
+          f"{result['fp8_over_bf16_cpu']:.2f}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.wire_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=25.0, help="bucket size in MiB of float32 (default 25)")
-    p.add_argument("--ranks", type=int, default=8, help="ranks the reduce sums over (default 8)")
+    p.add_argument("--ranks", type=int, default=None, help="ranks the reduce sums over (default 8; --cpu: 4)")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--no-append", action="store_true", help="do not append the table to bench/RESULTS.md")
+    p.add_argument("--cpu", action="store_true", help="the torch path on CPU tensors, one thread, against bf16")
+    p.add_argument("--json", action="store_true", help="with --cpu: print one JSON object")
     args = p.parse_args(argv)
+    if args.ranks is None:
+        args.ranks = 4 if args.cpu else 8
+    if args.mb <= 0 or args.ranks < 1:
+        p.error("--mb must be > 0 and --ranks >= 1")
+    if args.cpu:
+        return main_cpu(args)
     if not torch.cuda.is_available():
-        print("bench.wire_kernels needs a CUDA device", file=sys.stderr)
+        print("bench.wire_kernels needs a CUDA device (or --cpu for the torch path)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     ceiling = copy_ceiling_gbps(device, 1.0)

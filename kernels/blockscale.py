@@ -142,7 +142,7 @@ def _quantize_call(src, layout, rows, scale, fmt, residual) -> KernelCall:
     _check_residual(residual, src.numel(), src.device)
     scale = check_scale(scale)
     if not uses_triton(src.device):
-        return KernelCall(torch_path=lambda: torch_wire.quantize_blocks(src, layout, rows, scale, spec, residual))
+        return KernelCall(torch_path=torch_wire.bind_quantize_blocks(src, layout, rows, scale, spec, residual))
     src_bf16 = src.dtype == torch.bfloat16
     args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
             residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
@@ -164,7 +164,7 @@ def _reduce_call(received, n_ranks, out, fmt, residual) -> KernelCall:
     _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
     _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
     if not uses_triton(out.device):
-        return KernelCall(torch_path=lambda: torch_wire.reduce_blocks(received, n_ranks, out, spec, residual))
+        return KernelCall(torch_path=torch_wire.bind_reduce_blocks(received, n_ranks, out, spec, residual))
     args = (received, received.view(torch.int32), residual if residual is not None else out, out,
             out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
@@ -173,14 +173,15 @@ def _reduce_call(received, n_ranks, out, fmt, residual) -> KernelCall:
     return KernelCall(launch=(grid, _reduce_blocks_kernel, args, constexprs))
 
 
-def _dequantize_call(rows, layout, dst, fmt, stats) -> KernelCall:
+def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True) -> KernelCall:
     spec = _format(fmt)
     _check_layout(layout)
     check_vector(dst, "dst", numel=layout.n_elements)
     _check_rows(rows, layout.n_rows, "rows", dst.device)
     check_stats(stats, dst.device)
     if not uses_triton(dst.device):
-        return KernelCall(torch_path=lambda: torch_wire.dequantize_blocks(rows, layout, dst, spec, stats))
+        return KernelCall(torch_path=torch_wire.bind_dequantize_blocks(rows, layout, dst, spec, stats,
+                                                                       canonical_nan))
     # With stats, each block's partial sums go to a buffer of this call's own, summed behind the kernel.
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
@@ -236,8 +237,8 @@ def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, 
 
 
 def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                           fmt: torch.dtype = torch.float8_e4m3fn,
-                           stats: Optional[torch.Tensor] = None) -> Callable[[], None]:
+                           fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
+                           canonical_nan: bool = True) -> Callable[[], None]:
     """Check :func:`dequantize_blocks` once and return a callable that repeats it (see
-    :func:`bind_quantize_blocks`)."""
-    return bind_call(_dequantize_call(rows, layout, dst, fmt, stats))
+    :func:`bind_quantize_blocks`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
+    return bind_call(_dequantize_call(rows, layout, dst, fmt, stats, canonical_nan))

@@ -43,14 +43,15 @@ else:  # pragma: no cover - exercised only where Triton is missing
     _sum_slices_kernel = None
 
 
-def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> KernelCall:
+def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
+                     canonical_nan: bool = True) -> KernelCall:
     check_count(n_ranks, "n_ranks")
     check_vector(out, "out")
     check_vector(received, "received", numel=n_ranks * out.numel(), device=out.device)
     if received.dtype != out.dtype:
         raise TypeError(f"received ({received.dtype}) and out ({out.dtype}) must share a dtype")
     if not uses_triton(out.device):
-        return KernelCall(torch_path=lambda: torch_wire.sum_slices(received, n_ranks, out))
+        return KernelCall(torch_path=torch_wire.bind_sum_slices(received, n_ranks, out, canonical_nan))
     src_bf16 = received.dtype == torch.bfloat16
     args = (received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]), n_ranks,
             out.numel())
@@ -67,7 +68,9 @@ def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch
     return out
 
 
-def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> Callable[[], None]:
+def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                    canonical_nan: bool = True) -> Callable[[], None]:
     """Check :func:`sum_slices` once; the returned callable repeats it with little host work (a direct launch on
-    CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
-    return bind_call(_sum_slices_call(received, n_ranks, out))
+    CUDA, as :func:`kernels.bind_pack`; ``canonical_nan`` as there). It keeps the tensors alive: bind again when any
+    is reallocated."""
+    return bind_call(_sum_slices_call(received, n_ranks, out, canonical_nan))

@@ -203,6 +203,20 @@ def test_host_benchmark_smoke():
     assert data["torch_op_us"] > 0 and data["env"]["torch"] == torch.__version__
 
 
+def test_wire_kernels_cpu_mode_smoke(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-m", "bench.wire_kernels", "--cpu", "--mb", "0.25", "--ranks", "3",
+                          "--json", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(out.stdout)
+    assert data["ranks"] == 3 and data["threads"] == 1
+    for key in ("fp8_over_bf16_cpu", "bf16_fp32sum_over_bf16_cpu", "fp8_ns", "bf16_ns"):
+        assert isinstance(data[key], float) and math.isfinite(data[key]) and data[key] > 0, key
+    assert set(data["ns_per_element"]) == {"bf16 pack", "bf16 unpack", "bf16 sum of slices x3", "fp8 quantize +ef",
+                                           "fp8 reduce x3 +ef", "fp8 dequantize"}
+
+
 def test_hook_cost_benchmark_smoke():
     import torch
 

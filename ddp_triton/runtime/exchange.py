@@ -157,7 +157,7 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
     pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)  # NaN bits: see bucket.py
     unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats, canonical_nan=False)
     return ShardedExchange(buffer, group, world_size, send, recv, shard, pack,
-                           kernels.bind_sum_slices(recv, world_size, shard), unpack)
+                           kernels.bind_sum_slices(recv, world_size, shard, canonical_nan=False), unpack)
 
 
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
@@ -173,5 +173,5 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
     second = residuals.second if residuals is not None else None
     quantize = kernels.bind_quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
     reduce = kernels.bind_reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
-    dequantize = kernels.bind_dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats)
+    dequantize = kernels.bind_dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats, canonical_nan=False)
     return ShardedExchange(buffer, group, world_size, send, recv, shard, quantize, reduce, dequantize)
