@@ -179,20 +179,24 @@ def make_step(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], opt: torch.op
     return step_in_ranges
 
 
-def time_steps(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int, device: torch.device,
-               clip: Optional[Callable[[], None]] = None) -> List[float]:
-    """Milliseconds of each of ``steps`` synchronised steps, after ``warmup`` untimed ones."""
-    step = make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip)
+def time_calls(call: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
+    """Milliseconds of each of ``steps`` synchronised calls (steps, graph replays), after ``warmup`` untimed ones."""
     for _ in range(warmup):
-        step()
+        call()
     times = []
     for _ in range(steps):
         sync(device)
         start = time.perf_counter()
-        step()
+        call()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def time_steps(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int, device: torch.device,
+               clip: Optional[Callable[[], None]] = None) -> List[float]:
+    """Milliseconds of each of ``steps`` synchronised steps, after ``warmup`` untimed ones."""
+    return time_calls(make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip), steps, warmup, device)
 
 
 # ---- profiling: recording the trace (bench/ddp_profile.py reads it) --------------------------------------------------
@@ -328,20 +332,6 @@ def captured_step(base: nn.Module, loss: Callable[[nn.Module], torch.Tensor], de
     with torch.cuda.graph(graph, stream=side):
         step()
     return graph.replay
-
-
-def time_calls(call: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
-    """Milliseconds of each of ``steps`` synchronised calls (graph replays), after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        call()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],

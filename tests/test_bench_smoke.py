@@ -25,6 +25,15 @@ def run(args, tmp_path, saved_as="*.json"):
     return out.stdout, json.loads(saved.read_text())
 
 
+def run_json(args):
+    """The one JSON object a benchmark prints with ``--json`` (on the torch path)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-m", *args, "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 def test_kernels_benchmark_smoke(tmp_path):
     stdout, data = run(["bench.kernels", "--device", "cpu", "--quick", "--no-compile", "--no-results"], tmp_path)
     assert "copy ceiling" in stdout
@@ -193,23 +202,14 @@ def test_kernels_benchmark_says_so_without_a_gpu():
 def test_host_benchmark_smoke():
     import torch
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-m", "bench.host", "--json", "--quick"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout)
+    data = run_json(["bench.host", "--quick"])
     for key in ("pack_1", "pack_148", "bound", "unpack_148", "unpack_stats_148", "hook_bucket"):
         assert data[f"{key}_ratio"] > 0 and data[f"{key}_us"] > 0, key
     assert data["torch_op_us"] > 0 and data["env"]["torch"] == torch.__version__
 
 
 def test_wire_kernels_cpu_mode_smoke(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-m", "bench.wire_kernels", "--cpu", "--mb", "0.25", "--ranks", "3",
-                          "--json", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout)
+    data = run_json(["bench.wire_kernels", "--cpu", "--mb", "0.25", "--ranks", "3", "--out-dir", str(tmp_path)])
     assert data["ranks"] == 3 and data["threads"] == 1
     for key in ("fp8_over_bf16_cpu", "bf16_fp32sum_over_bf16_cpu", "fp8_ns", "bf16_ns"):
         assert isinstance(data[key], float) and math.isfinite(data[key]) and data[key] > 0, key
@@ -220,11 +220,7 @@ def test_wire_kernels_cpu_mode_smoke(tmp_path):
 def test_hook_cost_benchmark_smoke():
     import torch
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-m", "bench.hook_cost", "--json", "--quick"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout)
+    data = run_json(["bench.hook_cost", "--quick"])
     keys = [f"{k}_us" for k in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "triton_fp32",
                                 "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8")]
     for key in keys + ["fp32_ratio", "fp16_ratio", "bf16_ratio"]:
