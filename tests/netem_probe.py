@@ -3,6 +3,7 @@
     python tests/netem_probe.py env                                    # no torch: the launch variables
     python tests/netem_probe.py allreduce --numel 2097152 --dtypes float32,bfloat16 --iters 3
     python tests/netem_probe.py pingpong --iters 20                    # rank 0 <-> the last rank, 4 bytes
+    python tests/netem_probe.py send --bytes 4194304 --ready-file F    # no torch: rank 0 -> the last rank, TCP
     python tests/netem_probe.py fail --code 3                          # exit 3 (rank 1), others sleep
     python tests/netem_probe.py sleep --seconds 60                     # prints its pid, then sleeps
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 
@@ -82,12 +84,48 @@ def pingpong(args) -> None:
     leave(dist)
 
 
+def send(args) -> None:
+    """Rank 0 sends exactly ``--bytes`` bytes to the last rank over one TCP connection, so that nothing crosses the
+    link but that connection's segments (and the ARP that finds the peer). Rank 0 listens on
+    MASTER_ADDR:MASTER_PORT and then creates ``--ready-file``; the last rank connects once that file exists (the
+    nodes share the filesystem), so no refused attempt adds traffic. Each side stops only when the other has
+    closed: every byte has crossed the link before either process exits."""
+    rank, last = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]) - 1
+    addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if rank == 0:
+        with socket.create_server(addr) as server:
+            open(args.ready_file, "x").close()
+            conn, _ = server.accept()
+        with conn:
+            conn.sendall(bytes(args.bytes))
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv(1 << 16):  # until the receiver closes: it has everything
+                pass
+        report(rank=rank, sent=args.bytes)
+    elif rank == last:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(args.ready_file):
+            if time.monotonic() > deadline:
+                sys.exit(f"rank 0 did not listen within 30 s ({args.ready_file} missing)")
+            time.sleep(0.01)
+        received = 0
+        with socket.create_connection(addr, timeout=30) as conn:
+            while True:
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    break
+                received += len(chunk)
+        report(rank=rank, received=received)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("env", "allreduce", "pingpong", "fail", "sleep"))
+    p.add_argument("mode", choices=("env", "allreduce", "pingpong", "send", "fail", "sleep"))
     p.add_argument("--numel", type=int, default=1 << 21, help="elements per all-reduce, in every dtype")
     p.add_argument("--dtypes", default="float32")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--bytes", type=int, default=4 << 20, help="what rank 0 sends to the last rank")
+    p.add_argument("--ready-file", help="send: rank 0 creates it once it listens (a new path)")
     p.add_argument("--code", type=int, default=3)
     p.add_argument("--seconds", type=float, default=60)
     args = p.parse_args()
@@ -97,6 +135,10 @@ def main() -> None:
         allreduce(args)
     elif args.mode == "pingpong":
         pingpong(args)
+    elif args.mode == "send":
+        if not args.ready_file:
+            p.error("send needs --ready-file")
+        send(args)
     elif args.mode == "fail":
         report(pid=os.getpid(), rank=os.environ.get("RANK"))
         if os.environ.get("RANK") == "1":

@@ -5,11 +5,14 @@ Tiers: the first tests (parsing, usage, missing privileges) need nothing. The ``
 namespaces on this machine and runs gloo ranks on CPU across them: it needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and
 iproute2, and skips saying which is missing; the delay test also needs sch_netem in the kernel. Each netem test
 checks that ``ip netns list`` and ``ip link`` are the same after it as before. Rank programs: tests/netem_probe.py.
+The bytes a run reports per node are the kernel's interface counters: a job that sends a known number of bytes
+checks them against it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import selectors
 import shutil
 import signal
@@ -117,6 +120,63 @@ def test_says_it_needs_root_when_it_lacks_the_capabilities():
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "needs root" in out.stderr and "CAP_SYS_ADMIN" in out.stderr, out.stderr
+
+
+def test_link_counters_grow_or_say_why_not():
+    """The growth between two readings, and no number where there is none to give: a counter that went backwards
+    (wrapped or reset) or an interface made anew (another ifindex)."""
+    before = cluster.LinkCounters(ifindex=2, tx_bytes=1000, rx_bytes=50, tx_packets=10, rx_packets=1)
+    after = cluster.LinkCounters(ifindex=2, tx_bytes=5000, rx_bytes=80, tx_packets=14, rx_packets=2)
+    assert after.since(before) == cluster.LinkCounters(2, tx_bytes=4000, rx_bytes=30, tx_packets=4, rx_packets=1)
+    with pytest.raises(cluster.CounterError, match="tx_bytes went backwards"):
+        before.since(after)
+    with pytest.raises(cluster.CounterError, match="ifindex 2 -> 7"):
+        cluster.LinkCounters(7, 5000, 80, 14, 2).since(before)
+
+
+def test_link_counters_parsed_from_ips_json():
+    stats = {"rx": {"bytes": 80, "packets": 2, "errors": 0}, "tx": {"bytes": 5000, "packets": 14, "errors": 0}}
+    shown = json.dumps([{"ifindex": 2, "ifname": "eth0", "mtu": 1500, "stats64": stats}])
+    assert cluster.parse_link_counters(shown, "eth0") == cluster.LinkCounters(2, 5000, 80, 14, 2)
+    old_kernel = json.dumps([{"ifindex": 2, "ifname": "eth0", "stats": stats}])  # only the 32-bit counters
+    assert cluster.parse_link_counters(old_kernel, "eth0") == cluster.LinkCounters(2, 5000, 80, 14, 2)
+    for text, reason in (("Object \"link\" is unknown", "no JSON"), ("[]", "did not list eth0"),
+                         (json.dumps([{"ifindex": 2, "ifname": "eth0"}]), "no byte and packet counters")):
+        with pytest.raises(cluster.CounterError, match=reason):
+            cluster.parse_link_counters(text, "eth0")
+
+
+def test_link_report_counts_what_it_can_and_says_what_it_cannot():
+    """A node whose counters cannot be compared is listed with the reason and left out of the totals; the table
+    says the totals cover 1 of 2 nodes."""
+    c = cluster.Cluster(cluster.ClusterSpec(2, 1, cluster.LinkSpec(10**9)))  # names only: nothing is built
+    before = [cluster.LinkCounters(2, 100, 200, 1, 2), cluster.LinkCounters(2, 300, 400, 3, 4)]
+    after = [cluster.LinkCounters(2, 1100, 1200, 11, 12),
+             cluster.CounterError('Device "eth0" does not exist.')]
+    report = cluster.link_report(c, before, after)
+    n0, n1 = report["nodes"]
+    assert (n0["tx_bytes"], n0["rx_bytes"], n0["tx_packets"], n0["rx_packets"], n0["error"]) == (1000, 1000, 10, 10,
+                                                                                                 None)
+    assert n1["tx_bytes"] is None and n1["error"] == 'after the job: Device "eth0" does not exist.'
+    assert report["total"] == {"tx_bytes": 1000, "rx_bytes": 1000, "tx_packets": 10, "rx_packets": 10,
+                               "nodes_counted": 1, "nodes": 2}
+    table = cluster.format_link_report(report)
+    assert any(line.split()[:5] == ["n0", "eth0", "1,000", "10", "1,000"] for line in table), table
+    assert any("n1" in line and "not counted: after the job" in line for line in table), table
+    assert table[-1].split()[:3] == ["total", "(1", "of"], table
+
+
+def test_summary_is_never_written_through_a_symlink(tmp_path):
+    """``--summary`` naming a symlink is refused before anything is built (exit 2, saying so), and what the link
+    points to is left as it was."""
+    target = tmp_path / "elsewhere.json"
+    target.write_text("keep")
+    link = tmp_path / "summary.json"
+    link.symlink_to(target)
+    out = run_cluster("--nodes", "2", "--link", "1gbit", "--summary", str(link), "--", "true", check=False,
+                      timeout=60)
+    assert out.returncode == 2 and "--summary" in out.stderr and "symbolic link" in out.stderr, out.stderr
+    assert target.read_text() == "keep"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -292,3 +352,51 @@ def test_multinode_autotune_writes_one_cache_per_node_and_nodes_agree(unchanged,
     profiles = [json.loads(f[0].read_text()) for f in files.values()]
     assert profiles[0] == profiles[1]
     assert (profiles[0]["nodes"], profiles[0]["world_size"], profiles[0]["source"]) == (2, 4, "measured")
+
+
+@pytest.mark.netem
+def test_link_counters_count_the_bytes_the_job_sent(unchanged, tmp_path):
+    """Node 0 sends exactly K bytes to node 1 over one TCP connection, and nothing else crosses the link: the run
+    reports, from the kernel's counters of each node's eth0, at least K bytes out of node 0 and into node 1, and no
+    more than K plus TCP/IP's headers; the other direction carries only acknowledgements."""
+    k = 4 << 20
+    summary = tmp_path / "summary.json"
+    out = run_cluster("--nodes", "2", "--procs-per-node", "1", "--link", "1gbit", "--launcher", "env",
+                      "--log-dir", str(tmp_path / "logs"), "--summary", str(summary), "--", sys.executable, PROBE,
+                      "send", "--bytes", str(k), "--ready-file", str(tmp_path / "listening"), timeout=60)
+    assert sorted(p.get("sent", p.get("received")) for p in probes(out.stdout)) == [k, k], out.stdout
+    report = json.loads(summary.read_text())["link_counters"]
+    n0, n1 = report["nodes"]
+    assert (n0["interface"], n0["error"], n1["error"]) == ("eth0", None, None), report
+    # The counters count each frame the veth passes, Ethernet header included (no preamble or FCS); a GSO frame of
+    # up to 64 KiB passes whole with one set of headers. Worst case without GSO, every segment but the last carries
+    # at least MTU - 20 (IPv4) - 60 (TCP, the most options) = 1420 payload bytes behind at most 14 + 20 + 60 = 94
+    # header bytes: K + ceil(K / 1420) * 94, 6.6% over K. 4 KiB more covers the frames that carry no data: the
+    # handshake, the FINs and their ACKs, ARP (42 bytes each), at most 94 bytes each. tbf's queue (100 ms at the
+    # rate, 12.5 MB) holds more than K: nothing is dropped, so nothing is sent twice. The bridge floods no
+    # chatter of its own (no multicast snooping, no IPv6 addresses), and the receiver connects only once the
+    # sender listens, so no refused attempt adds frames.
+    headers = math.ceil(k / 1420) * 94 + 4096
+    assert k <= n0["tx_bytes"] <= k + headers, (n0, k + headers)
+    assert k <= n1["rx_bytes"] <= k + headers, (n1, k + headers)
+    # Back from node 1: at most one ACK (<= 94 bytes) per data segment, and the same control frames.
+    assert n1["tx_bytes"] <= headers and n0["rx_bytes"] <= headers, report
+    assert report["total"]["tx_bytes"] == n0["tx_bytes"] + n1["tx_bytes"], report
+    # The human table on stderr gives the same numbers.
+    rows = {f[1]: f[2:] for f in map(str.split, out.stderr.splitlines()) if f[:1] == ["[cluster]"] and
+            f[1:2] in (["n0"], ["n1"])}
+    assert rows["n0"][:2] == ["eth0", f"{n0['tx_bytes']:,}"] and rows["n1"][3] == f"{n1['rx_bytes']:,}", out.stderr
+
+
+@pytest.mark.netem
+def test_link_counters_missing_interface_is_reported_not_fatal(unchanged, tmp_path):
+    """A job that deletes its node's eth0 (it runs as root inside the node) takes that node's counters with it: the
+    run still ends with the job's status, the other node is counted, and the lost one is named with the reason."""
+    ip = cluster.find_tool("ip")
+    summary = tmp_path / "summary.json"
+    out = run_cluster("--nodes", "2", "--link", "1gbit", "--launcher", "env", "--summary", str(summary), "--",
+                      "sh", "-c", f'if [ "$GROUP_RANK" = 1 ]; then exec {ip} link del eth0; fi', timeout=60)
+    n0, n1 = json.loads(summary.read_text())["link_counters"]["nodes"]
+    assert n0["error"] is None and n0["tx_bytes"] == 0, n0
+    assert n1["tx_bytes"] is None and n1["error"].startswith("after the job:") and "eth0" in n1["error"], n1
+    assert "not counted: after the job" in out.stderr and "(1 of 2)" in out.stderr, out.stderr

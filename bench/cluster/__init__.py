@@ -7,8 +7,10 @@
 One job per module, each importing only the ones below it:
 
     cli          the command line (``python -m bench.cluster`` runs it through ``__main__``)
-    supervisor   the job: ranks started in the nodes, output, timeout, failing ranks, signals, cleanup, exit status
-    network      the emulated network: prerequisites, namespaces, bridge, veth links, tc shaping, their removal
+    supervisor   the job: ranks started in the nodes, output, timeout, failing ranks, signals, cleanup, exit status,
+                 the report of what each node's link carried
+    network      the emulated network: prerequisites, namespaces, bridge, veth links, tc shaping, the links' counters,
+                 their removal
 
 This package re-exports their public names, so that ``from bench import cluster`` gives what the single module
 ``bench/cluster.py`` gave (``cluster.parse_rate``, ``cluster.Cluster``, ``cluster.run``, ...).
@@ -16,21 +18,25 @@ This package re-exports their public names, so that ``from bench import cluster`
 
 from bench.cluster.cli import build_parser, check, main, reap_stale
 from bench.cluster.network import (BRIDGE, BURST_S, CAP_NET_ADMIN, CAP_SYS_ADMIN, IP_TIMEOUT_S, MAX_QUEUE_BYTES,
-                                   MIN_BURST_BYTES, NODE_IF, PREFIX, QUEUE_S, SUBNET, Cluster, ClusterSpec, LinkSpec,
-                                   SetupError, Unavailable, check_prerequisites, find_tool, iproute2_version,
-                                   list_netns, missing_capabilities, parse_delay, parse_rate, reap_stale_namespaces)
-from bench.cluster.supervisor import (DEFAULT_TIMEOUT_S, EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, FAIL_GRACE_S,
-                                      MASTER_PORT, TERM_GRACE_S, TORCHRUN_VARS, Interrupted, Job, Proc, run)
+                                   MIN_BURST_BYTES, NODE_IF, PREFIX, QUEUE_S, SUBNET, Cluster, ClusterSpec,
+                                   CounterError, LinkCounters, LinkSpec, SetupError, Unavailable, check_prerequisites,
+                                   find_tool, iproute2_version, list_netns, missing_capabilities, parse_delay,
+                                   parse_link_counters, parse_rate, read_link_counters, reap_stale_namespaces)
+from bench.cluster.supervisor import (COUNTERS, DEFAULT_TIMEOUT_S, EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE,
+                                      FAIL_GRACE_S, MASTER_PORT, TERM_GRACE_S, TORCHRUN_VARS, Interrupted, Job, Proc,
+                                      format_link_report, link_report, run)
 
 __all__ = [
     # network
     "BRIDGE", "BURST_S", "CAP_NET_ADMIN", "CAP_SYS_ADMIN", "IP_TIMEOUT_S", "MAX_QUEUE_BYTES", "MIN_BURST_BYTES",
-    "NODE_IF", "PREFIX", "QUEUE_S", "SUBNET", "Cluster", "ClusterSpec", "LinkSpec", "SetupError", "Unavailable",
-    "check_prerequisites", "find_tool", "iproute2_version", "list_netns", "missing_capabilities", "parse_delay",
-    "parse_rate", "reap_stale_namespaces",
+    "NODE_IF", "PREFIX", "QUEUE_S", "SUBNET", "Cluster", "ClusterSpec", "CounterError", "LinkCounters", "LinkSpec",
+    "SetupError", "Unavailable", "check_prerequisites", "find_tool", "iproute2_version", "list_netns",
+    "missing_capabilities", "parse_delay", "parse_link_counters", "parse_rate", "read_link_counters",
+    "reap_stale_namespaces",
     # supervisor
-    "DEFAULT_TIMEOUT_S", "EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_USAGE", "FAIL_GRACE_S", "MASTER_PORT",
-    "TERM_GRACE_S", "TORCHRUN_VARS", "Interrupted", "Job", "Proc", "run",
+    "COUNTERS", "DEFAULT_TIMEOUT_S", "EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_USAGE", "FAIL_GRACE_S",
+    "MASTER_PORT", "TERM_GRACE_S", "TORCHRUN_VARS", "Interrupted", "Job", "Proc", "format_link_report", "link_report",
+    "run",
     # cli
     "build_parser", "check", "main", "reap_stale",
 ]

@@ -8,7 +8,8 @@
     python -m bench.cluster --reap-stale     # remove what a run killed with SIGKILL left behind
 
 What a run builds is described in bench.cluster.network, how the job is run and bounded (and the exit status) in
-bench.cluster.supervisor. Bad usage exits 2 (argparse's message), as does a missing prerequisite, named on one line.
+bench.cluster.supervisor. Bad usage exits 2 (argparse's message), as does a missing prerequisite, named on one line,
+and a ``--summary`` path that must not be written (a symlink, a directory, a device: ``ddp_triton.safe_write``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import re
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+
+from ddp_triton.safe_write import OutputError, check_writable_target
 
 from bench.cluster.network import (Cluster, ClusterSpec, LinkSpec, SetupError, Unavailable, check_prerequisites,
                                    iproute2_version, parse_delay, parse_rate, reap_stale_namespaces)
@@ -107,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set KEY for every rank of a node; {node} becomes the node's index "
                         "(e.g. XDG_CACHE_HOME=/tmp/c/node{node}: a cache per node)")
     p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output (still in the logs)")
-    p.add_argument("--summary", type=Path, metavar="FILE", help="write a JSON summary: settings, qdiscs, ranks, status")
+    p.add_argument("--summary", type=Path, metavar="FILE",
+                   help="write a JSON summary: settings, qdiscs, ranks, status, and the bytes and packets each node's "
+                        "link carried (link_counters); never through a symlink")
     p.add_argument("--check", action="store_true", help="say whether this machine can do it, and whether --delay can")
     p.add_argument("--json", action="store_true", help="with --check: one JSON object")
     p.add_argument("--reap-stale", action="store_true",
@@ -138,6 +143,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(str(e))
         if not 0 <= args.grace <= 600:
             parser.error(f"--grace {args.grace:g} must be within [0, 600] seconds")
+        if args.summary is not None:
+            try:  # refused now rather than after the job: a symlink, a directory, a device, an unwritable folder
+                check_writable_target(args.summary)
+            except OutputError as e:
+                parser.error(f"--summary {e}")
         return run(spec, command, args.launcher, args.timeout, args.log_dir, args.node_env, not args.quiet,
                    args.summary, args.grace)
     except Unavailable as e:

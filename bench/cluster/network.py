@@ -13,6 +13,11 @@ non-blocking switch. ``--delay D`` adds a one-way delay of D to what a node send
 a round trip between two nodes takes 2 D more. sch_netem is optional in kernels; without it ``--delay`` is refused
 with the reason, and rate shaping works as before.
 
+Counters: ``Cluster.link_counters`` reads each node's eth0 counters from the kernel (``ip -s -j link``, the
+64-bit counters that ``/sys/class/net/eth0/statistics`` shows inside the node), so that what a job moved between
+nodes is a number the kernel counted, not one this tool computes. A veth's counters are its peer's mirrored (its
+rx is the peer's tx), so eth0 and the switch's p{i} agree; eth0 is read because it is the node's own view.
+
 Each ``ip``/``tc`` call has a timeout. ``Cluster.close`` kills whatever still runs inside the run's namespaces and
 deletes them (and with them every link); a run killed with SIGKILL cannot, and ``reap_stale_namespaces`` removes
 what it left. This module starts no job: bench.cluster.supervisor does, on a ``Cluster`` built here.
@@ -20,6 +25,7 @@ what it left. This module starts no job: bench.cluster.supervisor does, on a ``C
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -29,7 +35,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 #: Name prefix of everything a run creates; a run is ``ddpt-<pid>-<6 hex>``, which --reap-stale parses back.
 PREFIX = "ddpt"
@@ -62,6 +68,10 @@ class Unavailable(Exception):
 
 class SetupError(Exception):
     """The emulated network could not be built or removed: exit 1 with this message."""
+
+
+class CounterError(Exception):
+    """An interface's counters could not be read, or two readings cannot be compared; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -287,8 +297,10 @@ class Cluster:
             raise Unavailable(f"--delay needs the kernel's netem qdisc (sch_netem, CONFIG_NET_SCH_NETEM), which this "
                               f"kernel ({os.uname().release}) lacks; rate shaping (tbf) works without it: drop --delay")
         self._in(self.switch, "link", "set", "lo", "up")
+        # No multicast snooping: with it the bridge reports itself to the all-snoopers groups (IGMP and MLD, a
+        # frame to every node now and then), which the nodes' counters would book as the job's traffic.
         self._in(self.switch, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0",
-                 hint="bridges (CONFIG_BRIDGE)")
+                 "mcast_snooping", "0", hint="bridges (CONFIG_BRIDGE)")
         self._in(self.switch, "link", "set", BRIDGE, "addrgenmode", "none")
         self._in(self.switch, "link", "set", BRIDGE, "mtu", str(link.mtu), "up")
         for i, ns in enumerate(self.node_ns):
@@ -319,6 +331,17 @@ class Cluster:
             self._tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf, hint="sch_tbf")
         else:
             self._tc(ns, "qdisc", "add", "dev", dev, "root", *tbf, hint="sch_tbf (CONFIG_NET_SCH_TBF)")
+
+    def link_counters(self) -> List[Union["LinkCounters", CounterError]]:
+        """Each node's eth0 counters now, read in its namespace, in node order; a CounterError where they could not
+        be read (the interface gone, ip failing), so that one node's trouble does not lose the others'."""
+        readings: List[Union[LinkCounters, CounterError]] = []
+        for ns in self.node_ns:
+            try:
+                readings.append(read_link_counters(self.ip, ns, NODE_IF))
+            except CounterError as e:
+                readings.append(e)
+        return readings
 
     def qdiscs(self) -> Dict[str, str]:
         """``tc qdisc show`` of every shaped device, for the record."""
@@ -352,6 +375,73 @@ class Cluster:
         remaining = [ns for ns in self.created if ns in left]
         self.created = remaining
         return remaining
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The interfaces' counters
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkCounters:
+    """The kernel's counters of one interface at one moment (or their growth between two), as ``ip -s link`` and
+    ``/sys/class/net/DEV/statistics`` show them: what crossed the device, after its qdisc, headers included."""
+
+    ifindex: int
+    """The interface's index: a different one means the interface was made anew and its counters restarted."""
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def since(self, before: "LinkCounters") -> "LinkCounters":
+        """The growth of each counter from ``before`` to this reading; CounterError if the two cannot be compared
+        (another interface by now, or a counter that went backwards: wrapped or reset), rather than a wrong number.
+
+        The kernel's 64-bit counters do not wrap in practice (16 EiB), so a counter below its earlier value is
+        reported, not unwrapped: nothing can tell a wrap from a reset."""
+        if self.ifindex != before.ifindex:
+            raise CounterError(f"the interface was replaced during the job (ifindex {before.ifindex} -> "
+                               f"{self.ifindex}): its counters restarted")
+        grown = {}
+        for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"):
+            old, new = getattr(before, name), getattr(self, name)
+            if new < old:
+                raise CounterError(f"{name} went backwards ({old} -> {new}): wrapped or reset, no count")
+            grown[name] = new - old
+        return LinkCounters(ifindex=self.ifindex, **grown)
+
+
+def parse_link_counters(text: str, dev: str) -> LinkCounters:
+    """``ip -s -j link show dev DEV``'s output as LinkCounters; CounterError naming what is missing from it."""
+    try:
+        links: Any = json.loads(text)
+    except ValueError:
+        raise CounterError(f"`ip -s -j link show dev {dev}` printed no JSON (an iproute2 without -j?): "
+                           f"{text.strip()[:200]!r}") from None
+    link = next((entry for entry in links if isinstance(entry, dict) and entry.get("ifname") == dev), None) \
+        if isinstance(links, list) else None
+    if link is None:
+        raise CounterError(f"`ip -s -j link show dev {dev}` did not list {dev}")
+    stats = link.get("stats64") or link.get("stats")  # "stats" where the kernel gave only the 32-bit counters
+    try:
+        return LinkCounters(ifindex=int(link["ifindex"]), tx_bytes=int(stats["tx"]["bytes"]),
+                            rx_bytes=int(stats["rx"]["bytes"]), tx_packets=int(stats["tx"]["packets"]),
+                            rx_packets=int(stats["rx"]["packets"]))
+    except (KeyError, TypeError, ValueError):
+        raise CounterError(f"`ip -s -j link show dev {dev}` gave no byte and packet counters") from None
+
+
+def read_link_counters(ip: str, ns: str, dev: str) -> LinkCounters:
+    """The counters of ``dev`` in namespace ``ns`` now, through netlink (``ip -n NS -s -j link show dev DEV``):
+    no process enters the namespace and no sysfs is mounted. CounterError saying why they could not be read."""
+    try:
+        out = _sh([ip, "-n", ns, "-s", "-j", "link", "show", "dev", dev], check=False)
+    except (SetupError, OSError) as e:
+        raise CounterError(str(e)) from None
+    if out.returncode != 0:
+        raise CounterError(f"`ip -n {ns} -s -j link show dev {dev}` failed: {(out.stderr or out.stdout).strip()}")
+    return parse_link_counters(out.stdout, dev)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -20,9 +20,16 @@ die with this tool (PR_SET_PDEATHSIG) if it is killed outright. SIGINT, SIGTERM 
 way; the namespaces (and with them every link) are deleted in a ``finally`` whatever happened, and the tool checks
 that none is left. A run killed with SIGKILL cannot clean up: its namespaces stay until ``--reap-stale``.
 
+Link counters: each node's eth0 counters are read from the kernel just before the job's processes start and just
+after they have ended or been killed; the run's summary gives what each node sent and received in between (bytes
+and packets, and the totals), on stderr as a table and in ``--summary``'s JSON under ``link_counters``. Only the
+job runs in a node's namespace, so that is the job's traffic between nodes, headers, ARP and handshakes included. A
+node whose counters could not be read or compared is listed with the reason and left out of the totals.
+
 Exit status: the job's (0, or the first failing rank's; 128+N for a rank killed by signal N); 2 bad usage or a
 missing prerequisite (not root, no iproute2, no netem for --delay), named on one line; 1 the emulated network
-could not be built or removed; 124 timeout; 130 SIGINT, 143 SIGTERM, 129 SIGHUP.
+could not be built or removed, or ``--summary`` could not be written; 124 timeout; 130 SIGINT, 143 SIGTERM, 129
+SIGHUP.
 """
 
 from __future__ import annotations
@@ -39,9 +46,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from bench.cluster.network import NODE_IF, Cluster, ClusterSpec, SetupError, Unavailable, check_prerequisites
+from ddp_triton.safe_write import OutputError, atomic_write_text
+
+from bench.cluster.network import (NODE_IF, Cluster, ClusterSpec, CounterError, LinkCounters, SetupError, Unavailable,
+                                   check_prerequisites)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 124
 
@@ -318,6 +328,76 @@ class _Signals:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# What the links carried
+# --------------------------------------------------------------------------------------------------------------------
+
+#: The counters reported per node and in the totals, as named in the JSON.
+COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+#: One node's counters at one moment, or why they could not be read.
+Reading = Union[LinkCounters, CounterError]
+
+
+def link_report(cluster: Cluster, before: Sequence[Reading], after: Sequence[Reading]) -> Dict[str, Any]:
+    """What each node's link carried during the job, from the kernel's counters read before its processes started
+    and after they ended: per node the growth of each counter (or why there is none), and the totals over the nodes
+    that could be read, so that every claim about traffic between nodes rests on the kernel's count."""
+    nodes: List[Dict[str, Any]] = []
+    total = dict.fromkeys(COUNTERS, 0)
+    for node, (old, new) in enumerate(zip(before, after)):
+        entry: Dict[str, Any] = {"node": node, "namespace": cluster.node_ns[node], "interface": NODE_IF}
+        try:
+            if isinstance(old, CounterError):
+                raise CounterError(f"before the job: {old}")
+            if isinstance(new, CounterError):
+                raise CounterError(f"after the job: {new}")
+            grown = new.since(old)
+        except CounterError as e:
+            entry.update(dict.fromkeys(COUNTERS), error=str(e))
+        else:
+            entry.update({name: getattr(grown, name) for name in COUNTERS}, error=None)
+            for name in COUNTERS:
+                total[name] += entry[name]
+        nodes.append(entry)
+    return {"interface": NODE_IF, "read_in": "each node's network namespace",
+            "source": f"the kernel's 64-bit interface counters (ip -n NODE -s -j link show dev {NODE_IF}; "
+                      f"/sys/class/net/{NODE_IF}/statistics inside the node)",
+            "window": "read just before the job's processes started and just after they ended or were killed",
+            "nodes": nodes,
+            "total": {**total, "nodes_counted": sum(e["error"] is None for e in nodes), "nodes": len(nodes)}}
+
+
+def format_link_report(report: Dict[str, Any]) -> List[str]:
+    """The link report as lines of a table for the terminal: a row per node, then the totals."""
+    lines = [f"what each node's link carried during the job, as the kernel counted it ({report['interface']}, read "
+             "in each node):",
+             f"  {'node':<6}{'interface':<11}{'tx bytes':>15}{'tx packets':>12}{'rx bytes':>15}{'rx packets':>12}"]
+
+    def row(label: str, interface: str, counts: Dict[str, Any]) -> str:
+        return (f"  {label:<6}{interface:<11}{counts['tx_bytes']:>15,}{counts['tx_packets']:>12,}"
+                f"{counts['rx_bytes']:>15,}{counts['rx_packets']:>12,}")
+
+    for entry in report["nodes"]:
+        label = f"n{entry['node']}"
+        if entry["error"] is None:
+            lines.append(row(label, entry["interface"], entry))
+        else:
+            lines.append(f"  {label:<6}{entry['interface']:<11}not counted: {entry['error']}")
+    total = report["total"]
+    partial = total["nodes_counted"] < total["nodes"]
+    lines.append(row("total", f"({total['nodes_counted']} of {total['nodes']})" if partial else "", total))
+    return lines
+
+
+def _read_counters(cluster: Cluster) -> List[Reading]:
+    """``cluster.link_counters()``, never raising: this runs during cleanup, which must go on to remove the
+    namespaces whatever a reading does."""
+    try:
+        return cluster.link_counters()
+    except Exception as e:
+        return [CounterError(f"could not read the counters: {e}") for _ in cluster.node_ns]
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -325,7 +405,8 @@ class _Signals:
 def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", timeout_s: float = DEFAULT_TIMEOUT_S,
         log_dir: Optional[Path] = None, node_env: Sequence[Tuple[str, str]] = (), echo: bool = True,
         summary: Optional[Path] = None, grace_s: float = FAIL_GRACE_S) -> int:
-    """Build the cluster, run the job, remove everything; the exit status (module docstring)."""
+    """Build the cluster, run the job, remove everything; the exit status (module docstring). ``summary``, if given,
+    is written atomically and never through a symlink (``ddp_triton.safe_write``)."""
     ip, tc = check_prerequisites()
     if log_dir is None:
         log_dir = Path(tempfile.mkdtemp(prefix="ddpt-cluster-"))
@@ -339,6 +420,8 @@ def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", t
     cluster = Cluster(spec, ip, tc)
     job: Optional[Job] = None
     info: Dict[str, object] = {}
+    before: Optional[List[Reading]] = None
+    report: Optional[Dict[str, Any]] = None
     signals = _Signals()
     start = time.monotonic()
     with signals:
@@ -352,6 +435,7 @@ def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", t
                 say(f"{cluster.name}: {spec.nodes} node(s) x {spec.procs_per_node} rank(s), {spec.link.describe()}; "
                     f"logs in {log_dir}")
                 job = Job(cluster, command, launcher, log_dir, node_env, echo, grace_s)
+                before = _read_counters(cluster)
                 job.start()
                 status = job.wait(start + timeout_s)
                 if status is None:
@@ -368,6 +452,8 @@ def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", t
             signals.hold()
             if job is not None:
                 job.close()
+            if before is not None:
+                report = link_report(cluster, before, _read_counters(cluster))
             left = cluster.close()
             if left:
                 say(f"could not delete namespace(s) {', '.join(left)}: remove them with `ip netns del NAME`")
@@ -376,10 +462,18 @@ def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", t
                 status = 128 + signals.pending
     if reason:
         say(reason)
+    if report is not None:
+        for line in format_link_report(report):
+            say(line)
+    info["link_counters"] = report
     if job is not None:
         info["ranks"] = [{"label": p.label, "node": p.node, "returncode": p.popen.returncode, "log": str(p.log_path)}
                          for p in job.procs]
     info.update(status=status, seconds=round(time.monotonic() - start, 3), reason=reason or None)
     if summary is not None:
-        summary.write_text(json.dumps(info, indent=1))
+        try:
+            atomic_write_text(summary, json.dumps(info, indent=1) + "\n")
+        except OutputError as e:
+            say(f"could not write the summary: {e}")
+            status = status or EXIT_FAILED
     return EXIT_FAILED if status is None else status
