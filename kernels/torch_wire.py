@@ -7,7 +7,7 @@ scale, add the residual, choose the block's power-of-two scale, round, and sum t
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -46,44 +46,50 @@ def _split_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 # ---- bound forms: views, scratch buffers and branches decided once, no allocation per call -------------------------
 
+#: Blocks per step of the bound forms: float32 buffers of 1 MiB, which stay in a core's L2 cache between the passes
+#: over them, and bound what a bound launch holds (a few MiB, whatever the bucket's size).
+CHUNK_ROWS = 2048
+
 
 class _Decoder:
-    """FP8 codes (R, 128) -> their float32 values, unscaled. torch's own conversion of E4M3 to float32 is element by
+    """FP8 codes (r, 128) -> their float32 values, unscaled. torch's own conversion of E4M3 to float32 is element by
     element on CPUs (about 3 ns an element); a table of the 256 values, read through int32 indices, takes a third of
     that. E5M2 converts fast as it is (it is a truncated float16)."""
 
-    def __init__(self, fmt: Fp8Format, n_rows: int, device: torch.device) -> None:
+    def __init__(self, fmt: Fp8Format, rows: int, device: torch.device) -> None:
         self.fmt = fmt
         if fmt.dtype == torch.float8_e4m3fn:
             self.table = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().to(device)
-            self.index = torch.empty(n_rows, BLOCK_ELEMENTS, dtype=torch.int32, device=device)
+            self.index = torch.empty(rows, BLOCK_ELEMENTS, dtype=torch.int32, device=device)
         else:
             self.table = None
 
     def __call__(self, codes: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` (R, 128) float32 <- the values of ``codes`` (R, 128) uint8 (any strides)."""
+        """``out`` (r, 128) float32 <- the values of ``codes`` (r, 128) uint8 (any strides), r at most ``rows``."""
         if self.table is None:
             out.copy_(codes.view(self.fmt.dtype))
             return
-        self.index.copy_(codes)
-        torch.index_select(self.table, 0, self.index.view(-1), out=out.view(-1))
+        index = self.index[: codes.shape[0]]
+        index.copy_(codes)
+        torch.index_select(self.table, 0, index.view(-1), out=out.view(-1))
 
 
 class _RowQuantizer:
     """Quantizes float32 rows of 128 into FP8 codes and power-of-two scales, as ``quantize_rows``, into a row
-    buffer's views; optionally writes what the rounding left out. Its scratch is one (R, 128) float32 buffer."""
+    buffer's views; optionally writes what the rounding left out. Its scratch holds ``rows`` rows."""
 
-    def __init__(self, fmt: Fp8Format, n_rows: int, device: torch.device) -> None:
+    def __init__(self, fmt: Fp8Format, rows: int, device: torch.device) -> None:
         self.fmt = fmt
-        self.scratch = torch.empty(n_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
-        self.largest = torch.empty(n_rows, dtype=torch.int32, device=device)
-        self.decode = _Decoder(fmt, n_rows, device)
+        self.scratch = torch.empty(rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
+        self.largest = torch.empty(rows, dtype=torch.int32, device=device)
+        self.decode = _Decoder(fmt, rows, device)
 
     def __call__(self, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  left: Optional[torch.Tensor] = None) -> None:
-        """``codes`` (R, 128) uint8 and ``scales`` (R,) float32 <- ``values`` (R, 128) float32 quantized; ``left``
-        (R, 128) float32, if given, <- values minus what the codes stand for (0 in a non-finite block)."""
-        fmt, scratch, largest = self.fmt, self.scratch, self.largest
+        """``codes`` (r, 128) uint8 and ``scales`` (r,) float32 <- ``values`` (r, 128) float32 quantized; ``left``
+        (r, 128) float32, if given, <- values minus what the codes stand for (0 in a non-finite block)."""
+        fmt, r = self.fmt, values.shape[0]
+        scratch, largest = self.scratch[:r], self.largest[:r]
         magnitude = scratch.view(torch.int32)
         torch.bitwise_and(values.view(torch.int32), 0x7FFFFFFF, out=magnitude)
         torch.amax(magnitude, dim=1, out=largest)
@@ -109,47 +115,79 @@ class _RowQuantizer:
 
 def _aligned(layout: BlockLayout) -> bool:
     """Whether every element sits at its own flat offset in the block grid (every tensor but the last a whole number
-    of blocks): then the grid is the bucket itself, followed by zeros, with no scatter or gather."""
+    of blocks): then the grid is the bucket itself, followed by zeros, and the passes go block range by block range
+    with no scatter or gather."""
     return layout.n_blocks == -(-layout.n_elements // BLOCK_ELEMENTS) and all(
         size % BLOCK_ELEMENTS == 0 for size in layout.sizes[:-1])
 
 
+def _row_chunks(n_rows: int, n_elements: int) -> List[Tuple[int, int, int, int]]:
+    """(first row, end row, first element, end element) of each step over a grid of ``n_rows`` rows whose first
+    ``n_elements`` elements are data."""
+    out = []
+    for r0 in range(0, n_rows, CHUNK_ROWS):
+        r1 = min(r0 + CHUNK_ROWS, n_rows)
+        out.append((r0, r1, min(r0 * BLOCK_ELEMENTS, n_elements), min(r1 * BLOCK_ELEMENTS, n_elements)))
+    return out
+
+
 def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
                          residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. Bound: the
-    buffers are made here, a call allocates nothing."""
-    n, device = layout.n_elements, src.device
-    grid = torch.zeros(layout.n_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
-    aligned = _aligned(layout)
-    x = grid.view(-1)[:n] if aligned else torch.empty(n, dtype=torch.float32, device=device)
-    positions = None if aligned else layout.positions().to(device)
+    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. Bound: on an
+    aligned layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
+    if not _aligned(layout):
+        return lambda: quantize_blocks_scattered(src, layout, rows, scale, fmt, residual)
+    device, chunk_rows = src.device, min(CHUNK_ROWS, layout.n_rows)
     codes, scales = _split_rows(rows)
-    quantize = _RowQuantizer(fmt, layout.n_rows, device)
-    left = None if residual is None else torch.empty_like(grid)
-    left_x = None if left is None else (left.view(-1)[:n] if aligned else None)
+    x = torch.empty(chunk_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
+    left = torch.empty_like(x) if residual is not None else None
+    quantize = _RowQuantizer(fmt, chunk_rows, device)
     widen = src.dtype != torch.float32
+    steps = []
+    for r0, r1, e0, e1 in _row_chunks(layout.n_rows, layout.n_elements):
+        whole = e1 - e0 == (r1 - r0) * BLOCK_ELEMENTS  # no padding in this step: the residual is written directly
+        steps.append((src[e0:e1], None if residual is None else residual[e0:e1], x[: r1 - r0],
+                      x.view(-1)[: e1 - e0], x.view(-1)[e1 - e0:(r1 - r0) * BLOCK_ELEMENTS], codes[r0:r1],
+                      scales[r0:r1], None if left is None else (
+                          residual[e0:e1].view(-1, BLOCK_ELEMENTS) if whole else left[: r1 - r0]), whole))
 
     def run() -> None:
-        if widen:  # the kernel widens, then multiplies in float32
-            x.copy_(src)
-            if scale != 1.0:
-                x.mul_(scale)
-        elif scale != 1.0:
-            torch.mul(src, scale, out=x)
-        else:
-            x.copy_(src)
-        if residual is not None:
-            x.add_(residual)
-        if positions is not None:
-            grid.view(-1).index_copy_(0, positions, x)  # the padding of short blocks stays zero
-        quantize(grid, codes, scales, left)
-        if residual is not None:
-            if left_x is not None:
-                residual.copy_(left_x)
+        for part, res, grid, flat, padding, part_codes, part_scales, left_rows, whole in steps:
+            if widen:  # the kernel widens, then multiplies in float32
+                flat.copy_(part)
+                if scale != 1.0:
+                    flat.mul_(scale)
+            elif scale != 1.0:
+                torch.mul(part, scale, out=flat)
             else:
-                torch.index_select(left.view(-1), 0, positions, out=residual)
+                flat.copy_(part)
+            if res is not None:
+                flat.add_(res)
+            padding.zero_()
+            quantize(grid, part_codes, part_scales, left_rows)
+            if res is not None and not whole:
+                res.copy_(left_rows.view(-1)[: res.numel()])
 
     return run
+
+
+def quantize_blocks_scattered(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float,
+                              fmt: Fp8Format, residual: Optional[torch.Tensor]) -> None:
+    """The quantize of a layout whose tensors end inside blocks: scattered into the padded grid, per call."""
+    x = src.float()
+    if scale != 1.0:
+        x = x * scale
+    if residual is not None:
+        x = x + residual
+    positions = layout.positions()
+    grid = torch.zeros(layout.n_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
+    grid.index_copy_(0, positions, x)  # index_copy_/index_select: torch's x[index] is ~300x slower on CPU
+    values = grid.view(layout.n_rows, BLOCK_ELEMENTS)
+    codes, scales = _split_rows(rows)
+    left = torch.empty_like(values) if residual is not None else None
+    _RowQuantizer(fmt, layout.n_rows, src.device)(values, codes, scales, left)
+    if residual is not None:
+        torch.index_select(left.view(-1), 0, positions, out=residual)
 
 
 def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
@@ -158,23 +196,29 @@ def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Ten
     residual); residual <- what the rounding left out. Bound: a call allocates nothing."""
     codes, scales = _split_rows(received)
     per_rank = codes.shape[0] // n_ranks
-    parts = [(codes[r * per_rank:(r + 1) * per_rank], scales[r * per_rank:(r + 1) * per_rank, None])
-             for r in range(n_ranks)]
     out_codes, out_scales = _split_rows(out_rows)
-    total = torch.empty(per_rank, BLOCK_ELEMENTS, dtype=torch.float32, device=received.device)
+    device, chunk_rows = received.device, max(1, min(CHUNK_ROWS, per_rank))
+    total = torch.empty(chunk_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
     decoded = torch.empty_like(total)
-    decode = _Decoder(fmt, per_rank, received.device)
-    quantize = _RowQuantizer(fmt, per_rank, received.device)
+    decode = _Decoder(fmt, chunk_rows, device)
+    quantize = _RowQuantizer(fmt, chunk_rows, device)
     grid_residual = None if residual is None else residual.view(per_rank, BLOCK_ELEMENTS)
+    steps = []
+    for r0, r1, _, _ in _row_chunks(per_rank, per_rank * BLOCK_ELEMENTS):
+        parts = [(codes[r * per_rank + r0:r * per_rank + r1], scales[r * per_rank + r0:r * per_rank + r1, None])
+                 for r in range(n_ranks)]
+        steps.append((parts, total[: r1 - r0], decoded[: r1 - r0], out_codes[r0:r1], out_scales[r0:r1],
+                      None if grid_residual is None else grid_residual[r0:r1]))
 
     def run() -> None:
-        total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
-        for part_codes, part_scales in parts:
-            decode(part_codes, decoded)
-            torch.addcmul(total, decoded, part_scales, out=total)  # an exact product, one rounding: as the kernel
-        if grid_residual is not None:
-            total.add_(grid_residual)
-        quantize(total, out_codes, out_scales, grid_residual)
+        for parts, part_total, part_decoded, part_codes, part_scales, part_residual in steps:
+            part_total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
+            for rank_codes, rank_scales in parts:
+                decode(rank_codes, part_decoded)
+                torch.addcmul(part_total, part_decoded, rank_scales, out=part_total)  # exact product, one rounding
+            if part_residual is not None:
+                part_total.add_(part_residual)
+            quantize(part_total, part_codes, part_scales, part_residual)
 
     return run
 
@@ -182,25 +226,59 @@ def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Ten
 def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
                            stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical unless told not to); optional
-    [sum of squares, non-finite count]. Bound: a call allocates nothing."""
-    n, device = layout.n_elements, dst.device
+    [sum of squares, non-finite count]. Bound: on an aligned layout a call allocates nothing."""
     codes, scales = _split_rows(rows)
-    decode = _Decoder(fmt, layout.n_rows, device)
-    values = torch.empty(layout.n_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
-    aligned = _aligned(layout)
-    positions = None if aligned else layout.positions().to(device)
-    flat = values.view(-1)[:n] if aligned else torch.empty(n, dtype=torch.float32, device=device)
-    store = _converter(dst, flat, 1.0, canonical_nan)
+    if not _aligned(layout):
+        def scattered() -> None:
+            values = torch.empty(layout.n_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
+            _Decoder(fmt, layout.n_rows, dst.device)(codes, values)
+            values.mul_(scales[:, None])
+            _converter(dst, values.view(-1).index_select(0, layout.positions()), 1.0, canonical_nan)()
+            _finish_stats(stats, dst)
+
+        return scattered
+    device, chunk_rows = dst.device, min(CHUNK_ROWS, layout.n_rows)
+    decode = _Decoder(fmt, chunk_rows, device)
+    values = torch.empty(chunk_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
+    steps = [(codes[r0:r1], scales[r0:r1, None], values[: r1 - r0],
+              _converter(dst[e0:e1], values.view(-1)[: e1 - e0], 1.0, canonical_nan))
+             for r0, r1, e0, e1 in _row_chunks(layout.n_blocks, layout.n_elements)]
 
     def run() -> None:
-        decode(codes, values)
-        values.mul_(scales[:, None])
-        if positions is not None:
-            torch.index_select(values.view(-1), 0, positions, out=flat)
-        store()
-        if stats is not None:
-            stats.zero_()
-            _accumulate_stats(stats, dst)
+        for part_codes, part_scales, part_values, store in steps:
+            decode(part_codes, part_values)
+            part_values.mul_(part_scales)
+            store()
+        _finish_stats(stats, dst)
+
+    return run
+
+
+def _finish_stats(stats: Optional[torch.Tensor], dst: torch.Tensor) -> None:
+    if stats is not None:
+        stats.zero_()
+        _accumulate_stats(stats, dst)
+
+
+def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
+                    canonical_nan: bool = True) -> Callable[[], None]:
+    """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order, rounded once.
+    Bound: a call allocates nothing."""
+    size = out.numel()
+    total = torch.empty(min(size, CHUNK_ROWS * BLOCK_ELEMENTS), dtype=torch.float32, device=out.device)
+    steps = []
+    for e0 in range(0, size, total.numel()):
+        e1 = min(e0 + total.numel(), size)
+        part_total = total[: e1 - e0]
+        steps.append((part_total, [received[r * size + e0:r * size + e1] for r in range(n_ranks)],
+                      _converter(out[e0:e1], part_total, 1.0, canonical_nan)))
+
+    def run() -> None:
+        for part_total, parts, store in steps:
+            part_total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
+            for part in parts:
+                part_total.add_(part)  # a 16-bit part is widened exactly, then added in float32
+            store()
 
     return run
 
@@ -224,24 +302,6 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
                       stats: Optional[torch.Tensor]) -> None:
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical); optional [sum of squares, non-finite]."""
     bind_dequantize_blocks(rows, layout, dst, fmt, stats)()
-
-
-def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
-                    canonical_nan: bool = True) -> Callable[[], None]:
-    """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order, rounded once.
-    Bound: a call allocates nothing."""
-    size = out.numel()
-    parts = [received[r * size:(r + 1) * size] for r in range(n_ranks)]
-    total = torch.empty(size, dtype=torch.float32, device=out.device)
-    store = _converter(out, total, 1.0, canonical_nan)
-
-    def run() -> None:
-        total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
-        for part in parts:
-            total.add_(part)  # a 16-bit part is widened exactly, then added in float32
-        store()
-
-    return run
 
 
 def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> None:

@@ -367,3 +367,61 @@ def test_bound_sum_slices_replays_the_plain_call_and_refuses_bad_input_at_bind()
         blockscale.bind_reduce_blocks(rows_for(layout), 0, rows_for(layout))
     with pytest.raises(ValueError, match="stats"):
         blockscale.bind_dequantize_blocks(rows_for(layout), layout, torch.empty(10), stats=torch.empty(3))
+
+
+# ---- the torch path's bound forms, step by step over blocks (CHUNK_ROWS), against whole-grid definitions -----------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("sizes", [pytest.param([7 * torch_wire.CHUNK_ROWS * 64 + 77], id="aligned"),
+                                   pytest.param([1000, torch_wire.CHUNK_ROWS * 128 + 3], id="scattered")])
+def test_bound_torch_path_across_its_steps(fmt, sizes):
+    """The bound CPU forms go CHUNK_ROWS blocks at a time (the aligned layout: its shard too spans two steps, with a
+    short last step and padding rows; a layout whose first tensor ends inside a block takes the scattered path): the
+    same bits as the whole grid at once, by quantize_rows and decode_rows, with a float32 sum in rank order started
+    at +0.0."""
+    spec, ranks = fp8.FORMATS[fmt], 3
+    layout = block_layout(sizes, ranks)
+    x = gradient_like(sizes, torch.float32, seed=5)
+    x[7] = -0.0  # a signed zero through every stage
+    residual = gradient_like(sizes, torch.float32, seed=6) * 1e-3
+    rows, res = rows_for(layout), residual.clone()
+    torch_wire.bind_quantize_blocks(x, layout, rows, 0.25, spec, res)()
+    grid = torch.zeros(layout.n_rows * 128)
+    grid.index_copy_(0, layout.positions(), x * 0.25 + residual)
+    codes, scales, dequantized, _ = torch_wire.quantize_rows(grid.view(-1, 128), spec)
+    got_codes, got_scales = split(rows)
+    assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales)
+    left = (grid.view(-1, 128) - dequantized).view(-1).index_select(0, layout.positions())
+    assert_same_bits(res, left)
+
+    # reduce: every rank's copy of shard 1 (different per rank), with a second-stage residual
+    shard_rows = layout.rows_per_shard
+    copies = [rows_for(layout) for _ in range(ranks)]
+    for r, copy in enumerate(copies):
+        torch_wire.quantize_blocks(gradient_like(sizes, torch.float32, seed=10 + r), layout, copy, 1.0, spec, None)
+    part = slice(shard_rows * fp8.ROW_BYTES, 2 * shard_rows * fp8.ROW_BYTES)
+    received = torch.cat([copy[part] for copy in copies])
+    second = gradient_like([shard_rows * 128], torch.float32, seed=20) * 1e-3
+    out, second_got = torch.empty(shard_rows * fp8.ROW_BYTES, dtype=torch.uint8), second.clone()
+    torch_wire.bind_reduce_blocks(received, ranks, out, spec, second_got)()
+    total = torch.zeros(shard_rows, 128)
+    for copy in copies:
+        total = total + torch_wire.decode_rows(*split(copy[part]), spec)
+    total = total + second.view(shard_rows, 128)
+    codes, scales, dequantized, _ = torch_wire.quantize_rows(total, spec)
+    assert torch.equal(split(out)[0], codes) and torch.equal(split(out)[1], scales)
+    assert_same_bits(second_got, (total - dequantized).view(-1))
+
+    # dequantize into a bfloat16 bucket, and the float32 sum of 16-bit slices
+    dst = torch.empty(layout.n_elements, dtype=torch.bfloat16)
+    torch_wire.bind_dequantize_blocks(rows, layout, dst, spec, None)()
+    values = torch_wire.decode_rows(*split(rows), spec).view(-1).index_select(0, layout.positions())
+    assert_same_bits(dst, values.to(torch.bfloat16))
+    slices16 = x.to(torch.bfloat16)[: (layout.n_elements // ranks) * ranks]
+    summed = torch.empty(layout.n_elements // ranks, dtype=torch.bfloat16)
+    torch_wire.bind_sum_slices(slices16, ranks, summed)()
+    expected = torch.zeros(summed.numel())
+    for r in range(ranks):
+        expected = expected + slices16[r * summed.numel():(r + 1) * summed.numel()].float()
+    assert_same_bits(summed, expected.to(torch.bfloat16))
