@@ -80,11 +80,6 @@ def _converter(dst: torch.Tensor, src: torch.Tensor, scale: float, canonical_nan
     return convert_canonical
 
 
-def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    """dst <- round(src * scale) with one rounding; NaNs canonical. Both 1-D, same length."""
-    _converter(dst, src, scale)()
-
-
 def _accumulate_stats(stats: torch.Tensor, values: torch.Tensor) -> None:
     v = values.float()
     stats[0] += v.square().sum()
@@ -93,27 +88,12 @@ def _accumulate_stats(stats: torch.Tensor, values: torch.Tensor) -> None:
 
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float) -> None:
     """out <- concat(flatten(t)) * scale, rounded once to out.dtype."""
-    position = 0
-    for t in tensors:
-        n = t.numel()
-        if n:
-            _convert_into(out[position : position + n], t.reshape(-1), scale)
-        position += n
+    bind_pack(tensors, out, scale)()
 
 
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, stats: Optional[torch.Tensor]) -> None:
     """Each tensor <- its slice of flat * scale, rounded once to its dtype; optional [sum of squares, non-finite]."""
-    if stats is not None:
-        stats.zero_()
-    position = 0
-    for t in tensors:
-        n = t.numel()
-        if n:
-            dst = t.view(-1)
-            _convert_into(dst, flat[position : position + n], scale)
-            if stats is not None:
-                _accumulate_stats(stats, dst)
-        position += n
+    bind_unpack(flat, tensors, scale, stats)()
 
 
 def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float,

@@ -10,7 +10,7 @@ and, on the all-reduce's completion, one kernel casts back into DDP's bucket buf
 ``gradient_as_bucket_view=True`` that is the gradients' own storage). Buffers and launches are bound once per
 bucket and reused (``bucket.py``); nothing on this path synchronises with the host or loops over parameters,
 except with ``grad_stats=True``: noting which gradients the statistics cover loops over the bucket's parameters
-once per pass on the host when DDP copies gradients out of its buckets (``grad_stats.py``).
+once per pass on the host (``grad_stats.py``).
 
 Under ``torch.compile`` with compiled autograd and ``torch._dynamo.config.optimize_ddp = "python_reducer"``, DDP
 calls the hook once per parameter with ``(param.grad, param)`` and traces it; that call averages the gradient in
