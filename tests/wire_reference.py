@@ -31,16 +31,18 @@ def quantize_dequantize(values: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
 
 
 def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, first: List[List[torch.Tensor]] = None,
-                second: List[torch.Tensor] = None) -> List[torch.Tensor]:
+                second: List[torch.Tensor] = None, scale: float = None) -> List[torch.Tensor]:
     """The average of each tensor over ranks as FP8 with float32 sums: quantize each rank's ``g / N (+ its first
     residual)``, sum the dequantized values in rank order, add the second residual, quantize again. With residual
-    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does."""
+    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does. ``scale``:
+    what g is multiplied by instead of 1 / N (1.0 for values already divided)."""
     n = len(per_rank)
+    scale = 1.0 / n if scale is None else scale
     averaged = []
     for i in range(len(per_rank[0])):
         total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
         for r in range(n):
-            value = per_rank[r][i].float() * (1.0 / n)
+            value = per_rank[r][i].float() * scale if scale != 1.0 else per_rank[r][i].float()
             if first is not None:
                 value = value + first[r][i]
             sent = quantize_dequantize(value, fmt)
@@ -66,14 +68,70 @@ def _left_over(value: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     return left
 
 
-def float32_sum_average(per_rank: Sequence[Sequence[torch.Tensor]], wire: torch.dtype) -> List[torch.Tensor]:
-    """The average with 16 bits on the wire and float32 sums: round g / N to the wire dtype, sum in float32 in rank
-    order, round the sum once to the wire dtype."""
+def float32_sum_average(per_rank: Sequence[Sequence[torch.Tensor]], wire: torch.dtype,
+                        scale: float = None) -> List[torch.Tensor]:
+    """The average with 16 bits on the wire and float32 sums: round g / N (or g * ``scale``) to the wire dtype, sum
+    in float32 in rank order, round the sum once to the wire dtype."""
     n = len(per_rank)
+    scale = 1.0 / n if scale is None else scale
     out = []
     for i in range(len(per_rank[0])):
         total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
         for r in range(n):
-            total = total + (per_rank[r][i].float() * (1.0 / n)).to(wire).float()
+            total = total + (per_rank[r][i].float() * scale).to(wire).float()
         out.append(total.to(wire).float())
+    return out
+
+
+def two_level_average(per_rank: Sequence[torch.Tensor], sizes: Sequence[int], local_size: int, fmt: torch.dtype,
+                      float32_sums: bool, first: List[torch.Tensor] = None,
+                      second: torch.Tensor = None) -> torch.Tensor:
+    """The two-level average of one bucket (``per_rank``: each rank's flat float32 bucket, ranks node by node,
+    ``local_size`` per node; ``sizes``: its tensors' element counts in bucket order), from the definition:
+
+    each rank's bucket times 1 / N, summed over its node in float32 in rank order; the node's sum cut into
+    ``local_size`` parts of whole 128-element blocks (ceil(blocks / local_size) each); each part averaged over the
+    nodes in the wire format with the part's tensor pieces as the tensors: FP8 block-scaled with float32 sums (error
+    feedback with ``first``, per node a bucket-length tensor, and ``second``, bucket-length, updated in place), 16
+    bits with float32 sums, or (``float32_sums`` False) summed in the wire dtype in node order.
+    """
+    n_ranks, n = len(per_rank), per_rank[0].numel()
+    nodes = n_ranks // local_size
+    node_sums = []
+    for k in range(nodes):
+        total = torch.zeros(n, dtype=torch.float32)
+        for r in range(k * local_size, (k + 1) * local_size):
+            total = total + per_rank[r].float() * (1.0 / n_ranks)
+        node_sums.append(total)
+    part = max(1, -(-(-(-n // BLOCK)) // local_size)) * BLOCK
+    out = torch.empty(n, dtype=torch.float32)
+    for j in range(local_size):
+        start, end = min(j * part, n), min((j + 1) * part, n)
+        pieces, offset = [], 0
+        for size in sizes:
+            low, high = max(start, offset), min(end, offset + size)
+            if high > low:
+                pieces.append(slice(low, high))
+            offset += size
+        values = [[node_sums[k][p] for p in pieces] for k in range(nodes)]
+        if fmt in MAX_FINITE:
+            firsts = [[first[k][p].clone() for p in pieces] for k in range(nodes)] if first is not None else None
+            seconds = [second[p].clone() for p in pieces] if second is not None else None
+            averaged = fp8_average(values, fmt, firsts, seconds, scale=1.0)
+            for i, p in enumerate(pieces):
+                if first is not None:
+                    for k in range(nodes):
+                        first[k][p] = firsts[k][i]
+                    second[p] = seconds[i]
+        elif float32_sums:
+            averaged = float32_sum_average(values, fmt, scale=1.0)
+        else:
+            averaged = []
+            for i in range(len(pieces)):
+                total = torch.zeros_like(values[0][i], dtype=fmt)
+                for k in range(nodes):
+                    total = (total.float() + values[k][i].to(fmt).float()).to(fmt)
+                averaged.append(total.float())
+        for p, value in zip(pieces, averaged):
+            out[p] = value
     return out

@@ -199,7 +199,7 @@ def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] 
         raise ValueError(f"profile digest must be {_DIGEST_LEN} characters, got {digest!r}")
     if dist.get_world_size(pg) == 1:
         return digest
-    digests = _gather_text(digest, pg)
+    digests = gather_text(digest, pg)
     if len(set(digests)) > 1:
         ranks = dist.get_process_group_ranks(pg)
         by_digest: Dict[str, List[int]] = {}
@@ -220,7 +220,7 @@ def check_wire_agreement(wire_format: str, process_group: ProcessGroup) -> None:
     disagree would issue different collectives (an all-reduce against an all-to-all) and hang or abort in them."""
     if dist.get_world_size(process_group) == 1:
         return
-    names = [n.rstrip() for n in _gather_text(wire_format[:_DIGEST_LEN].ljust(_DIGEST_LEN), process_group)]
+    names = [n.rstrip() for n in gather_text(wire_format[:_DIGEST_LEN].ljust(_DIGEST_LEN), process_group)]
     if len(set(names)) > 1:
         ranks = dist.get_process_group_ranks(process_group)
         parts = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, names))
@@ -235,7 +235,7 @@ def fail_together(problem: Optional[str], process_group: ProcessGroup) -> None:
         if problem is not None:
             raise ValueError(problem)
         return
-    flags = _gather_text("1" if problem is not None else "0", process_group)
+    flags = gather_text("1" if problem is not None else "0", process_group)
     if problem is not None:
         raise ValueError(problem)
     failed = [r for r, flag in zip(dist.get_process_group_ranks(process_group), flags) if flag == "1"]
@@ -243,7 +243,7 @@ def fail_together(problem: Optional[str], process_group: ProcessGroup) -> None:
         raise ValueError(f"rank(s) {failed} failed to bind this state (their error says why); every rank stops")
 
 
-def _gather_text(text: str, pg: ProcessGroup) -> List[str]:
+def gather_text(text: str, pg: ProcessGroup) -> List[str]:
     """Every rank's ``text`` (ASCII, the same length on every rank), through one all_gather of bytes."""
     mine = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8, device=_digest_device(pg))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]

@@ -9,7 +9,9 @@ the future DDP waits on, which completes once the bucket holds the mean. Two kin
 - ``AllReduceComm``: one all-reduce of the wire buffer (the bucket itself, or a comm-dtype copy), the unpack on
   the all-reduce's completion. NCCL completes its futures at launch (stream order), so the unpack runs inline;
   gloo completes them on its own thread.
-- ``ShardedComm``: all-to-all, float32 sum, all-gather (``exchange.py``), through the state's exchange queue.
+- ``ShardedComm``: a staged exchange through the state's exchange queue: all-to-all, float32 sum, all-gather
+  (``exchange.py``), or the two-level exchange (``two_level.py``: reduce-scatter in the node, the format between
+  nodes, all-gather in the node).
 
 A failed collective fails the future (``then_unpack``): the backward fails on this rank instead of training on with
 local gradients.
@@ -24,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .exchange import ExchangeQueue, ShardedExchange, block_fp8_exchange, float32_sum_exchange
+from .exchange import ExchangeQueue, StagedExchange, block_fp8_exchange, float32_sum_exchange
+from .nodes import NodeGroups
+from .two_level import two_level_exchange
 from .grad_stats import BucketCoverage, new_stats
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import BucketRecord, Watch, wire_name
@@ -105,8 +109,8 @@ class BucketComm:
         """With ``grad_stats``: the bucket's parameters and what their gradients were at the pass's end."""
         self.residuals: Optional[LayoutResiduals] = None
         """For FP8 with error feedback: this bucket layout's residuals."""
-        self.exchange: Optional[ShardedExchange] = None
-        """For the formats summed in float32: the all-to-all / sum / all-gather exchange; None for an all-reduce."""
+        self.exchange: Optional[StagedExchange] = None
+        """For the formats summed in float32 and the two-level ones: the staged exchange; None for an all-reduce."""
 
     @property
     def valid(self) -> bool:
@@ -157,12 +161,13 @@ class AllReduceComm(BucketComm):
 
 
 class ShardedComm(BucketComm):
-    """All-to-all, float32 sum, all-gather, through the state's exchange queue (one order on every rank)."""
+    """An exchange of several collectives (all-to-all, float32 sum, all-gather; or the two-level stages), through
+    the state's exchange queue (one order on every rank)."""
 
-    def __init__(self, buffer: torch.Tensor, exchange: ShardedExchange, queue: ExchangeQueue,
+    def __init__(self, buffer: torch.Tensor, exchange: StagedExchange, queue: ExchangeQueue,
                  stats: Optional[torch.Tensor], record: BucketRecord,
                  residuals: Optional[LayoutResiduals]) -> None:
-        super().__init__(buffer, exchange.send, exchange.group, None, stats, record)
+        super().__init__(buffer, exchange.held[0], exchange.group, None, stats, record)
         self.exchange, self.queue, self.residuals = exchange, queue, residuals
 
     def start(self, last: bool) -> torch.futures.Future:
@@ -176,11 +181,12 @@ class ShardedComm(BucketComm):
 
 def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: Any, world_size: int, backend: str,
                 pre_scale: float, post_scale: float, grad_stats: bool, group_for: Callable[[int], Tuple[Any, Any]],
-                residuals: ResidualStore, queue: ExchangeQueue) -> BucketComm:
+                residuals: ResidualStore, queue: ExchangeQueue, nodes: Optional[NodeGroups] = None) -> BucketComm:
     """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and, for FP8, its parameters).
 
-    ``group_for(nbytes)`` gives the (group, algorithm) a message of that size goes to. Collective for FP8 with error
-    feedback when its residuals move from an earlier layout: the caller issues it in the state's one order.
+    ``group_for(nbytes)`` gives the (group, algorithm) a message of that size goes to; ``nodes``, the groups of a
+    two-level exchange (``wire.hierarchical``). Collective for FP8 with error feedback when its residuals move from
+    an earlier layout: the caller issues it in the state's one order.
     """
     if buffer.layout != torch.strided:
         raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
@@ -189,8 +195,20 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
                         "float16")
     stats = new_stats(buffer) if grad_stats else None
     index = bucket.index() if bucket is not None else None
-    if wire.sharded:
-        entry: BucketComm = _bind_sharded(buffer, bucket, index, wire, group, world_size, pre_scale, post_scale,
+    if wire.hierarchical:
+        if nodes is None:
+            raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
+        params = list(bucket.parameters()) if bucket is not None else []
+        sizes = tuple(p.numel() for p in params)
+        if wire.block_scaled and sum(sizes) != buffer.numel():
+            raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
+                             f"{sum(sizes)} of {buffer.numel()} elements")
+        exchange, held, pass_bytes = two_level_exchange(
+            buffer, tuple(map(id, params)), sizes, wire, nodes, group, pre_scale, post_scale, stats, residuals)
+        record = BucketRecord(index, wire.name, pass_bytes, len(exchange.stages))
+        entry: BucketComm = ShardedComm(buffer, exchange, queue, stats, record, held)
+    elif wire.sharded:
+        entry = _bind_sharded(buffer, bucket, index, wire, group, world_size, pre_scale, post_scale,
                                           stats, residuals, queue)
     else:
         entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for)
@@ -235,8 +253,7 @@ def _bind_sharded(buffer: torch.Tensor, bucket: Any, index: Optional[int], wire:
                              f"{sum(sizes)} of {buffer.numel()} elements")
         layout = kernels.block_layout(sizes, world_size)
         if wire.error_feedback:
-            residuals = store.for_layout(tuple(map(id, params)), sizes, layout, group, dist.get_rank(group),
-                                         buffer.device)
+            residuals = store.for_layout(tuple(map(id, params)), sizes, layout, group, buffer.device)
         exchange = block_fp8_exchange(buffer, wire, layout, group, world_size, pre_scale, residuals, stats)
     else:
         exchange = float32_sum_exchange(buffer, wire, group, world_size, pre_scale, post_scale, stats)

@@ -6,12 +6,18 @@ rank the N copies of its shard, a kernel sums them in float32 (and requantizes),
 and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's. The three
 kernels are bound once to the bucket's buffers (``kernels.bind_*``: direct launches on CUDA, no checks per step).
 
+An exchange is a list of stages (``StagedExchange``), each a computation and an asynchronous collective: the
+sharded exchange has two (pack + all-to-all, sum + all-gather), a two-level one (``two_level.py``) a reduce-scatter
+inside the node, the node-crossing stages and an all-gather inside the node.
+
 Every rank must issue its collectives on a group in one order, and a gloo future's callback runs on gloo's own
 thread whenever the work finishes. So nothing here is issued from a callback in a race with the hook: an
-``ExchangeQueue`` issues, under one lock, the all-gather of the bucket before (once its all-to-all has finished)
-and then the all-to-all of the next, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank. The last bucket of a
-backward, or a bucket whose next never comes, is driven by its all-to-all's completion. Any error (a failed
-collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one all-reduce.
+``ExchangeQueue`` issues, under one lock, the remaining stages of the bucket before (each once the collective
+before it has finished) and then the first stage of the next, giving a2a(0), ag(0), a2a(1), ag(1), ... on every
+rank. The last bucket of a backward, or a bucket whose next never comes, is driven by its first collective's
+completion (on gloo's thread, which then waits for the bucket's later collectives, all on other works). Any error
+(a failed collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one
+all-reduce.
 
 The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
 queue (``ExchangeQueue.ordered``): they are issued after the pending bucket's all-gather and before the next
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,18 +40,49 @@ from .residuals import LayoutResiduals
 from .wire import WireFormat
 
 # torch >= 2.12 names the all-gather into one tensor all_gather_single; older releases all_gather_into_tensor.
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedExchange:
-    """One bucket's buffers and the three launches around its all-to-all and all-gather."""
+class Stage(NamedTuple):
+    """One step of an exchange: a computation on this rank, then a collective issued asynchronously."""
+
+    compute_phase: str
+    """Telemetry name of the computation ("pack", "reduce", ...)."""
+    compute: Callable[[], None]
+    collective_phase: str
+    """Telemetry name of the collective ("all_to_all", "all_gather", ...)."""
+    issue: Callable[[], Any]
+    """Issues the collective (``async_op=True``) and returns its Work."""
+
+
+class StagedExchange:
+    """One bucket's exchange as stages, each a computation and a collective, and the last computation: the first
+    stage runs when the bucket is started, the others once the collective before has finished, and ``finish``
+    (writing DDP's bucket) on the last collective's completion."""
+
+    def __init__(self, buffer: torch.Tensor, group: Any, stages: Sequence[Stage], finish: Callable[[], None],
+                 held: Sequence[torch.Tensor]) -> None:
+        self.buffer, self.group = buffer, group
+        """DDP's bucket buffer, and the group of the first collective."""
+        self.stages, self.finish = tuple(stages), finish
+        self.held = tuple(held)
+        """The buffers the exchange holds (its memory), the first what its first collective is handed."""
+
+
+class ShardedExchange(StagedExchange):
+    """All-to-all, a computation on this rank's shard, all-gather: what the formats summed in float32 run."""
 
     def __init__(self, buffer: torch.Tensor, group: Any, world_size: int, send: torch.Tensor, recv: torch.Tensor,
                  shard: torch.Tensor, prepare: Callable[[], None], reduce: Callable[[], None],
                  finish: Callable[[], None]) -> None:
-        self.buffer, self.group, self.world_size = buffer, group, world_size
+        stages = (Stage("pack", prepare, "all_to_all",
+                        lambda: dist.all_to_all_single(recv, send, group=group, async_op=True)),
+                  Stage("reduce", reduce, "all_gather",
+                        lambda: all_gather_into(send, shard, group=group, async_op=True)))
+        super().__init__(buffer, group, stages, finish, (send, recv, shard))
+        self.world_size = world_size
         self.send, self.recv, self.shard = send, recv, shard
-        self.prepare, self.reduce, self.finish = prepare, reduce, finish
+        self.prepare, self.reduce = prepare, reduce
 
     def collective_bytes(self) -> Tuple[int, int]:
         """Bytes handed to the all-to-all (the whole send buffer) and to the all-gather (this rank's shard)."""
@@ -53,14 +90,22 @@ class ShardedExchange:
 
 
 class _Run:
-    """One bucket's exchange in flight; ``watch`` (telemetry.Watch) records its phases, or None."""
+    """One bucket's exchange in flight: the stage whose collective was issued last, and its Work; ``watch``
+    (telemetry.Watch) records its phases, or None."""
 
-    def __init__(self, exchange: ShardedExchange, result: torch.futures.Future, all_to_all: Any,
-                 watch: Any) -> None:
-        self.exchange, self.result, self.all_to_all, self.watch = exchange, result, all_to_all, watch
+    def __init__(self, exchange: StagedExchange, result: torch.futures.Future, watch: Any) -> None:
+        self.exchange, self.result, self.watch = exchange, result, watch
+        self.stage = 0
+        self.work: Any = None
 
     def phase(self, name: str) -> Any:
         return self.watch.phase(name) if self.watch is not None else contextlib.nullcontext()
+
+    def run_stage(self, stage: Stage) -> None:
+        with self.phase(stage.compute_phase):
+            stage.compute()
+        with self.phase(stage.collective_phase):
+            self.work = stage.issue()
 
 
 class ExchangeQueue:
@@ -79,20 +124,16 @@ class ExchangeQueue:
             self._drive_pending()
             yield
 
-    def start(self, exchange: ShardedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+    def start(self, exchange: StagedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
         """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the
         bucket's telemetry (profiler ranges, timing) for this pass, or None."""
         devices = [exchange.buffer.device] if exchange.buffer.is_cuda else None
         result = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         with self._lock:
             self._drive_pending()
-            run = _Run(exchange, result, None, watch)
-            with run.phase("pack"):
-                exchange.prepare()
-            with run.phase("all_to_all"):
-                run.all_to_all = dist.all_to_all_single(exchange.recv, exchange.send, group=exchange.group,
-                                                        async_op=True)
-            work = run.all_to_all
+            run = _Run(exchange, result, watch)
+            run.run_stage(exchange.stages[0])
+            work = run.work
             self._pending = run
             if last:
                 self._drive_pending()
@@ -101,9 +142,9 @@ class ExchangeQueue:
         return result
 
     def _drive_if_pending(self, run: _Run) -> None:
-        # Never block here (gloo's thread): a held lock means the hook is in ``start``, which drives the pending
-        # bucket before anything else. A gloo Work's wait() returns only after its future's callbacks ran, so the
-        # hook waits on the future, which returns before them.
+        # Never block on the lock here (gloo's thread): a held lock means the hook is in ``start`` or ``ordered``,
+        # which drive the pending bucket before anything else. A gloo Work's wait() returns only after its future's
+        # callbacks ran, so the hook waits on the future, which returns before them.
         if not self._lock.acquire(blocking=False):
             return
         try:
@@ -113,17 +154,16 @@ class ExchangeQueue:
             self._lock.release()
 
     def _drive_pending(self) -> None:
-        """The pending bucket's next steps: wait for its all-to-all, sum, start its all-gather."""
+        """The pending bucket's remaining stages, each once the collective before has finished; then its finish on
+        the last collective's completion."""
         run, self._pending = self._pending, None
         if run is None:
             return
         exchange, result = run.exchange, run.result
         try:
-            run.all_to_all.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
-            with run.phase("reduce"):
-                exchange.reduce()
-            with run.phase("all_gather"):
-                gather = _all_gather_into(exchange.send, exchange.shard, group=exchange.group, async_op=True)
+            for stage in exchange.stages[1:]:
+                run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
+                run.run_stage(stage)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
             _fail(result, exc)
             return
@@ -132,13 +172,13 @@ class ExchangeQueue:
 
         def finish(fut: torch.futures.Future) -> None:
             try:
-                fut.value()  # raises if the all-gather failed
+                fut.value()  # raises if the last collective failed
                 unpack()
                 result.set_result(exchange.buffer)
             except BaseException as exc:  # noqa: BLE001
                 _fail(result, exc)
 
-        gather.get_future().then(finish)
+        run.work.get_future().then(finish)
 
 
 def _fail(result: torch.futures.Future, exc: BaseException) -> None:

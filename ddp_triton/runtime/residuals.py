@@ -7,7 +7,12 @@ after the first step; a fresh DDP model starts in constructor order) moves it: t
 shards with one all-reduce, at the first bucket of the new layout, which every rank binds at the same point of the
 same backward. ``state_dict`` gathers them the same way, per parameter name.
 
-Memory: 4 bytes per parameter element for the first stage, 4/N for the second (float32).
+The two-level exchange quantizes each node's sum, cut into one part per local rank: a rank's first stage is then
+that of its part (zero elsewhere in its ``state_dict``), and the second stage is sharded over the nodes' ranks of
+that part; the same per-parameter store holds both (``LayoutResiduals.span``/``shard``).
+
+Memory: 4 bytes per parameter element for the first stage (4/L with L ranks per node, two-level), 4/N for the
+second (float32).
 """
 
 from __future__ import annotations
@@ -28,17 +33,30 @@ STATE_DICT_VERSION = 1
 
 @dataclass
 class LayoutResiduals:
-    """The residuals of one bucket layout: its parameters (by identity, in bucket order) and where each one's live."""
+    """The residuals of one bucket layout: its parameters (by identity, in bucket order) and where each one's live.
+
+    ``layout`` is the block grid the FP8 exchange runs on, over the bucket's elements ``span``: the whole bucket for
+    the flat exchange, this rank's part of it for the two-level one (``two_level.py``). This rank holds the first
+    stage of the span's elements and the second stage of the grid's rows of shard ``shard``.
+    """
 
     params: Tuple[int, ...]
     sizes: Tuple[int, ...]
     layout: BlockLayout
+    span: Tuple[int, int]
+    """The bucket elements [start, end) whose first stage this rank holds; the layout's first elements."""
+    shard: int
+    """Which of the layout's shards of rows this rank owns (its second stage)."""
     first: torch.Tensor
-    """float32, the bucket's length: this rank's first-stage residual of every element, in bucket order."""
+    """float32, ``layout.n_elements``: this rank's first-stage residual of the span's elements, in bucket order."""
     second: torch.Tensor
     """float32, ``layout.rows_per_shard * 128``: the second-stage residual of this rank's rows."""
     alive: bool = True
     """False once another layout took over its parameters: an entry holding it must bind again."""
+
+    @property
+    def n_elements(self) -> int:
+        return sum(self.sizes)
 
     def slices(self) -> List[Tuple[int, slice]]:
         out, start = [], 0
@@ -46,6 +64,31 @@ class LayoutResiduals:
             out.append((param, slice(start, start + size)))
             start += size
         return out
+
+    def second_places(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(bucket elements, their places in ``second``) of the elements whose second stage this rank holds."""
+        start, end = self.span
+        rows = self.layout.rows_per_shard * BLOCK_ELEMENTS
+        places = self.layout.positions()[: end - start].to(self.second.device) - self.shard * rows
+        mine = ((places >= 0) & (places < rows)).nonzero().view(-1)
+        return mine + start, places.index_select(0, mine)
+
+    def first_in_bucket(self) -> torch.Tensor:
+        """This rank's first stage of every bucket element (zero outside its span)."""
+        whole = torch.zeros(self.n_elements, dtype=torch.float32, device=self.first.device)
+        start, end = self.span
+        whole[start:end].copy_(self.first[: end - start])
+        return whole
+
+    def whole_second(self, group: Any) -> torch.Tensor:
+        """The second stage of every bucket element: each rank's own rows placed in a zero vector and summed over
+        ``group`` (each element's row is owned by exactly one rank, so the sum is a gather). Collective."""
+        whole = torch.zeros(self.n_elements, dtype=torch.float32, device=self.second.device)
+        elements, places = self.second_places()
+        whole.index_copy_(0, elements, self.second.index_select(0, places))
+        if group is not None:
+            dist.all_reduce(whole, group=group)
+        return whole
 
 
 @dataclass
@@ -67,10 +110,15 @@ class ResidualStore:
     """Per parameter, whole (unsharded) second-stage residuals waiting for the layout that re-slices them."""
 
     def for_layout(self, params: Tuple[int, ...], sizes: Tuple[int, ...], layout: BlockLayout, group: Any,
-                   rank: int, device: torch.device) -> LayoutResiduals:
+                   device: torch.device, span: Optional[Tuple[int, int]] = None, shard: Optional[int] = None,
+                   node_group: Any = None) -> LayoutResiduals:
         """The residuals of this layout: made at its first bucket, from what earlier layouts or a load left.
 
-        Collective when an earlier layout shares parameters with this one (an all-reduce of their second stage).
+        ``span`` and ``shard``: the bucket elements the layout covers and the shard of its rows this rank owns; by
+        default the whole bucket and this rank's rank in ``group`` (the flat exchange). Collective over ``group``
+        when an earlier layout shares parameters with this one (an all-reduce of their second stage). Two-level
+        (``node_group`` given): collective over the node group too, always: each rank holds the first stage of its
+        own part only, so the node's ranks add up what they hold and each takes its new part.
         """
         found = self.layouts.get(params)
         if found is not None:
@@ -79,37 +127,38 @@ class ResidualStore:
         overlapping = [held for held in self.layouts.values() if mine.intersection(held.params)]
         if overlapping:
             self._retire(overlapping, group)
+        span = (0, sum(sizes)) if span is None else span
+        shard = dist.get_rank(group) if shard is None else shard
         first = torch.zeros(layout.n_elements, dtype=torch.float32, device=device)
-        grid = torch.zeros(layout.n_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=device)
-        positions = layout.positions().to(device)
-        start = 0
-        for param, size in zip(params, sizes):
-            if param in self.pending_first:
-                first[start:start + size].copy_(self.pending_first.pop(param).view(-1))
-            if param in self.pending_second:
-                grid.index_copy_(0, positions[start:start + size], self.pending_second.pop(param).view(-1).to(device))
-            start += size
-        rows = layout.rows_per_shard * BLOCK_ELEMENTS
-        second = grid[rank * rows:(rank + 1) * rows].clone()
-        held = self.layouts[params] = LayoutResiduals(params, sizes, layout, first, second)
+        second = torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32, device=device)
+        held = LayoutResiduals(params, sizes, layout, span, shard, first, second)
+        if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
+            first_values, second_values = self._take_pending(held, device)
+            if node_group is not None:  # every element's first stage is held by one rank of the node (or none)
+                dist.all_reduce(first_values, group=node_group)
+            first.copy_(first_values[span[0]:span[1]])
+            elements, places = held.second_places()
+            second.index_copy_(0, places, second_values.index_select(0, elements))
+        self.layouts[params] = held
         return held
 
-    def _whole_second(self, held: LayoutResiduals, group: Any, rank: int) -> torch.Tensor:
-        """The layout's second-stage residual of every element, in bucket order: the ranks' shards summed into a
-        zero grid (each row is owned by exactly one rank, so the sum is a gather)."""
-        layout = held.layout
-        grid = torch.zeros(layout.n_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=held.second.device)
-        rows = layout.rows_per_shard * BLOCK_ELEMENTS
-        grid[rank * rows:(rank + 1) * rows].copy_(held.second)
-        dist.all_reduce(grid, group=group)
-        return grid.index_select(0, layout.positions().to(grid.device))
+    def _take_pending(self, held: LayoutResiduals, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pending residuals of ``held``'s parameters, in bucket order (zero where none), taken out of pending."""
+        first = torch.zeros(held.n_elements, dtype=torch.float32, device=device)
+        second = torch.zeros_like(first)
+        for param, part in held.slices():
+            if param in self.pending_first:
+                first[part].copy_(self.pending_first.pop(param).view(-1))
+            if param in self.pending_second:
+                second[part].copy_(self.pending_second.pop(param).view(-1))
+        return first, second
 
     def _retire(self, layouts: List[LayoutResiduals], group: Any) -> None:
-        rank = dist.get_rank(group)
         for held in layouts:
-            whole = self._whole_second(held, group, rank)
+            whole = held.whole_second(group)
+            first = held.first_in_bucket()
             for param, part in held.slices():
-                self.pending_first[param] = held.first[part].clone()
+                self.pending_first[param] = first[part].clone()
                 self.pending_second[param] = whole[part].clone()
             held.alive = False
             del self.layouts[held.params]
@@ -155,10 +204,10 @@ class ResidualStore:
         first: Dict[str, torch.Tensor] = {}
         second: Dict[str, torch.Tensor] = {}
         for held in list(self.layouts.values()):
-            whole = self._whole_second(held, group, rank)
+            whole, own = held.whole_second(group), held.first_in_bucket()
             for (param, part), size in zip(held.slices(), held.sizes):
                 name = self._name(param, size)
-                first[name] = held.first[part].detach().clone().cpu()
+                first[name] = own[part].clone().cpu()
                 second[name] = whole[part].clone().cpu()
         for param, value in self.pending_first.items():
             first[self._name(param, value.numel())] = value.detach().clone().cpu()

@@ -17,6 +17,7 @@ state follows once bound (``profile_choice.resolve_profile``), or None when NCCL
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -30,6 +31,7 @@ from . import grad_stats as stats
 from .algo_groups import fail_together, select_group
 from .bucket import BucketComm, bind_bucket, split_average
 from .exchange import ExchangeQueue
+from .nodes import NodeGroups, bind_node_groups
 from .profile_choice import bind_profile, check_profile_spec
 from .residuals import ResidualStore
 from .telemetry import Summary, summarize
@@ -42,7 +44,7 @@ ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Pro
 
 
 # Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
-_PICKLE_VERSION = 2  # 2: accumulate_dtype and error_feedback
+_PICKLE_VERSION = 3  # 2: accumulate_dtype and error_feedback; 3: hierarchical
 
 # Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
 # buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
@@ -78,6 +80,11 @@ class CommState:
     """FP8 only (None: on for FP8): each rank adds what its FP8 rounding left out to the next step's gradients,
     at both rounding stages, so the rounding errors do not accumulate in the weights. Residuals are state:
     ``state_dict()`` / ``load_state_dict()``."""
+    hierarchical: bool = False
+    """Two-level exchange (``two_level.py``): each bucket is reduced inside the node in its own dtype and only the
+    node-crossing hop travels in ``comm_dtype`` (and its accumulate dtype, error feedback). Nodes come from
+    torchrun's ``GROUP_RANK`` or the host names, agreed by every rank when the state binds; nodes of different sizes
+    are an error, one node or one rank per node the flat exchange (with a warning)."""
     grad_stats: bool = False
     """Have each bucket's unpack also compute the sum of squares and non-finite count of the averaged gradients, for
     ``grad_norm()``, ``found_inf()`` and ``ddp_triton.clip_grad_norm_`` (``grad_stats.py``). Set at construction."""
@@ -92,6 +99,8 @@ class CommState:
     """FP8 error-feedback residuals by parameter, and the parameters' names (``residuals.py``)."""
     exchanges: ExchangeQueue = field(init=False, repr=False)
     """The one order in which this state issues its collectives (``exchange.py``)."""
+    nodes: Optional[NodeGroups] = field(init=False, repr=False)
+    """The node and cross groups of a two-level exchange, once bound; None: flat."""
     buckets: Dict[int, BucketComm] = field(init=False, repr=False)
     """Per DDP bucket buffer (by its Python object's identity): its bound path (``bucket.py``)."""
     algorithm_groups: Dict[str, Any] = field(init=False, repr=False)
@@ -124,6 +133,7 @@ class CommState:
         self.wire = wire
         self.residuals = ResidualStore()
         self.exchanges = ExchangeQueue()
+        self.nodes = None
         self.buckets = {}
         self.algorithm_groups = {}
         self.active_profile = None
@@ -182,7 +192,13 @@ class CommState:
                       f"{here[0]} of {here[1]}: load each rank's own file", group)
         self.active_profile, self.algorithm_groups = bind_profile(
             self.profile, group=group, world_size=world_size, comm_dtype=self.comm_dtype, backend=backend,
-            wire_format=self.wire.name, device=self.device)
+            wire_format=self.wire.name, device=self.device)  # the ranks agree on the wire format here
+        if self.wire.hierarchical:
+            on_device = self.device is not None and self.device.type == "cuda"
+            with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
+                self.nodes = bind_node_groups(group, self.wire.flat().name)
+            if self.nodes is None:  # one node, or one rank per node: every rank goes flat together
+                self.wire = self.wire.flat()
         self.group, self.world_size, self.backend = group, world_size, backend
         self.pre_scale, self.post_scale = split_average(world_size, self.comm_dtype)
         self._bound = True
@@ -212,7 +228,8 @@ class CommState:
                            "with state.state_dict() on every rank")
         return {"version": _PICKLE_VERSION, "comm_dtype": self.comm_dtype, "profile": self.profile,
                 "on_default_group": on_default, "accumulate_dtype": self.accumulate_dtype,
-                "error_feedback": self.error_feedback, "grad_stats": self.grad_stats, "timing": self.timing}
+                "error_feedback": self.error_feedback, "hierarchical": self.hierarchical,
+                "grad_stats": self.grad_stats, "timing": self.timing}
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
         """A state that binds at its first bucket: to the default group, or to ``process_group`` if set before."""
@@ -224,11 +241,12 @@ class CommState:
         self.profile = saved["profile"]
         self.accumulate_dtype = saved.get("accumulate_dtype")  # absent from format 1: what it meant then
         self.error_feedback = saved.get("error_feedback")
+        self.hierarchical = saved.get("hierarchical", False)  # absent before format 3: flat, as then
         self.grad_stats = saved.get("grad_stats", False)  # absent before grad_stats existed: off, as then
         self.timing = saved.get("timing", False)
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
-        self._reset(resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback),
-                    needs_group=not saved["on_default_group"])
+        self._reset(resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback,
+                                        self.hierarchical), needs_group=not saved["on_default_group"])
 
     # ---- buckets ------------------------------------------------------------------------------------------------
 
@@ -272,7 +290,7 @@ class CommState:
         return bind_bucket(buffer, bucket, wire=self.wire, group=self.group, world_size=self.world_size,
                            backend=self.backend, pre_scale=self.pre_scale, post_scale=self.post_scale,
                            grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
-                           queue=self.exchanges)
+                           queue=self.exchanges, nodes=self.nodes)
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
         if self.active_profile is None or not self.algorithm_groups:
@@ -286,7 +304,7 @@ class CommState:
         held = 0
         for entry in self.buckets.values():
             if entry.exchange is not None:
-                tensors = (entry.exchange.send, entry.exchange.recv, entry.exchange.shard)
+                tensors = entry.exchange.held
             else:
                 tensors = (entry.wire_buffer,) if entry.wire_buffer is not entry.buffer else ()
             held += sum(t.numel() * t.element_size() for t in tensors)
@@ -378,7 +396,8 @@ def check_options(options: Dict[str, Any]) -> WireFormat:
         raise TypeError(f"unknown CommState options {unknown}; it takes {sorted(STATE_OPTIONS)}")
     defaults = {f.name: f.default for f in fields(CommState) if f.init}
     given = {**defaults, **options}
-    wire = resolve_wire_format(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"])
+    wire = resolve_wire_format(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"],
+                               given["hierarchical"])
     check_profile_spec(given["profile"])
     for flag in ("grad_stats", "timing"):
         if not isinstance(given[flag], bool):

@@ -7,6 +7,11 @@
 - ``fp8e4m3``/``fp8e5m2`` (``+ef`` with error feedback): block-scaled FP8 through the same all-to-all and
   all-gather, summed in float32; with error feedback each rank keeps what its rounding left out and adds it to the
   next step's gradients, at both rounding stages.
+
+Each format also comes two-level (``hierarchical``): the ranks of a node first reduce-scatter the bucket in its own
+dtype (the fast links carry it uncompressed, summed in the bucket's dtype), the ranks with the same local index on
+every node then exchange their shard in the format (only the node-crossing hop is compressed), and the node
+all-gathers the result (``two_level.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class WireFormat:
     accumulate_dtype: Optional[torch.dtype]
     """None: the all-reduce's own dtype; torch.float32: summed in float32 after an all-to-all."""
     error_feedback: bool
+    hierarchical: bool = False
+    """Two-level: reduced inside each node in the bucket's dtype, exchanged in this format between nodes only."""
 
     @property
     def sharded(self) -> bool:
@@ -45,11 +52,16 @@ class WireFormat:
         name = _SHORT[self.comm_dtype]
         if self.sharded and not self.block_scaled:
             name += "+fp32sum"
-        return name + ("+ef" if self.error_feedback else "")
+        name += "+ef" if self.error_feedback else ""
+        return "two-level " + name if self.hierarchical else name
+
+    def flat(self) -> "WireFormat":
+        """The same format exchanged over all ranks at once."""
+        return WireFormat(self.comm_dtype, self.accumulate_dtype, self.error_feedback)
 
 
 def resolve_wire_format(comm_dtype: torch.dtype, accumulate_dtype: Optional[torch.dtype] = None,
-                        error_feedback: Optional[bool] = None) -> WireFormat:
+                        error_feedback: Optional[bool] = None, hierarchical: bool = False) -> WireFormat:
     """The WireFormat of a CommState's settings, or a ValueError naming the combination that cannot be."""
     known = SIXTEEN_BIT + (torch.float32,) + FP8_DTYPES
     if comm_dtype not in known:
@@ -60,12 +72,15 @@ def resolve_wire_format(comm_dtype: torch.dtype, accumulate_dtype: Optional[torc
                          f"{accumulate_dtype}")
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
+    if not isinstance(hierarchical, bool):
+        raise ValueError(f"hierarchical must be True or False, got {hierarchical!r}")
     if comm_dtype in FP8_DTYPES:
         # FP8 sums can only be taken in float32: NCCL's own FP8 sum knows nothing of the blocks' scales.
-        return WireFormat(comm_dtype, torch.float32, True if error_feedback is None else error_feedback)
+        return WireFormat(comm_dtype, torch.float32, True if error_feedback is None else error_feedback,
+                          hierarchical)
     if error_feedback:
         raise ValueError(f"error_feedback applies to FP8 wire formats; {comm_dtype} rounds each value once to "
                          "nearest, with nothing worth feeding back")
     if comm_dtype == torch.float32 and accumulate_dtype is not None:
         accumulate_dtype = None  # float32 on the wire already sums in float32: one all-reduce
-    return WireFormat(comm_dtype, accumulate_dtype, False)
+    return WireFormat(comm_dtype, accumulate_dtype, False, hierarchical)

@@ -8,6 +8,7 @@ ranks are slowed down at random points of the backward. The ranks' records must 
 within the workers' time limit.
 """
 
+import os
 import random
 import threading
 import time
@@ -19,7 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.runtime import exchange
+from ddp_triton.runtime import exchange, two_level
 from ddp_triton.runtime.algo_groups import scoped_env
 from dist_utils import run_workers
 
@@ -29,7 +30,7 @@ BUCKET_CAP_MB = 0.15
 STEPS = 3  # step 0 in the constructor's bucket order, then the rebuilt one
 
 _RECORDED = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "broadcast",
-             "all_gather", "reduce_scatter_tensor", "barrier")
+             "all_gather", "reduce_scatter_tensor", "reduce_scatter_single", "barrier")
 
 
 class Recorder:
@@ -48,7 +49,7 @@ class Recorder:
             group = kwargs.get("group")
             with self._lock:
                 self.calls.append((name if owner is dist else "exchange." + name,
-                                   dist.get_world_size(group) if group is not None else None,
+                                   tuple(dist.get_process_group_ranks(group)) if group is not None else None,
                                    None if tensor is None else tensor.numel()))
             return real(*args, **kwargs)
 
@@ -59,7 +60,8 @@ class Recorder:
         for name in _RECORDED:
             if hasattr(dist, name):
                 self._wrap(dist, name)
-        self._wrap(exchange, "_all_gather_into")
+        self._wrap(exchange, "all_gather_into")
+        self._wrap(two_level, "all_gather_into")
         return self
 
     def __exit__(self, *exc):
@@ -105,6 +107,7 @@ def _bucket_kwargs():
 
 
 def _order_worker(rank, world_size, options, trials):
+    os.environ["GROUP_RANK"] = str(rank // 2)  # two ranks per node, for the two-level exchange
     for trial in range(trials):
         shared = random.Random(trial)  # the same model on every rank
         order = list(range(LAYERS))
@@ -122,13 +125,31 @@ def _order_worker(rank, world_size, options, trials):
                 opt.step()
         records = [None] * world_size
         dist.all_gather_object(records, recorder.calls)
-        for other, calls in enumerate(records):
-            assert calls == records[0], (f"trial {trial} ({options}): rank {other} issued its collectives in "
-                                         f"another order than rank 0:\n{calls}\n{records[0]}")
+        if options.get("hierarchical"):  # node and cross groups: each group's members issue its calls in one order
+            groups = {ranks for calls in records for _, ranks, _ in calls}
+            assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups, groups  # 2 nodes, 2 cross groups (and the world)
+            for ranks in groups:
+                members = tuple(range(world_size)) if ranks is None else ranks
+                on_group = [[c for c in records[r] if c[1] == ranks] for r in members]
+                for r, calls in zip(members, on_group):
+                    assert calls == on_group[0], (f"trial {trial} ({options}): rank {r} issued its collectives on "
+                                                  f"group {ranks} in another order than rank {ranks[0]}")
+        else:
+            for other, calls in enumerate(records):
+                assert calls == records[0], (f"trial {trial} ({options}): rank {other} issued its collectives in "
+                                             f"another order than rank 0:\n{calls}\n{records[0]}")
         kinds = {name for name, _, _ in recorder.calls}
-        assert "all_to_all_single" in kinds, kinds
+        assert "all_to_all_single" in kinds or options.get("comm_dtype") == torch.bfloat16, kinds
         if options.get("comm_dtype") == torch.float8_e4m3fn:
             assert "all_reduce" in kinds, f"no residual re-slice happened: the bucket layouts did not change {kinds}"
+
+
+def test_two_level_collectives_in_one_order_per_group_under_stragglers_and_a_rebuild():
+    """2 nodes x 2 ranks: the node group's reduce-scatter and all-gather, the cross group's exchange."""
+    with scoped_env({"TRITON_INTERPRET": "0"}):
+        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True), 2),
+                                (dict(comm_dtype=torch.bfloat16, hierarchical=True), 1)):
+            run_workers(_order_worker, 4, options, trials, timeout=120)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

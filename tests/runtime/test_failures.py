@@ -46,6 +46,7 @@ def test_a_completed_all_reduce_unpacks_and_gives_the_buffer():
 
 
 def _train_until_peer_dies(rank, world_size, store_path, options, results):
+    os.environ["GROUP_RANK"] = str(rank // 2)  # two ranks per node (what torchrun tells each worker)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.manual_seed(0)
@@ -71,32 +72,40 @@ def _train_until_peer_dies(rank, world_size, store_path, options, results):
     os._exit(0)
 
 
-@pytest.mark.parametrize("options", [
-    dict(comm_dtype=torch.bfloat16), dict(comm_dtype=torch.float32),
-    dict(comm_dtype=torch.float8_e4m3fn),  # all-to-all, float32 sum, all-gather: a chain of collectives
-], ids=["cast", "in-place", "fp8-sharded"])
-def test_survivor_stops_when_a_peer_is_killed(options):
+@pytest.mark.parametrize("world_size, options", [
+    (2, dict(comm_dtype=torch.bfloat16)), (2, dict(comm_dtype=torch.float32)),
+    (2, dict(comm_dtype=torch.float8_e4m3fn)),  # all-to-all, float32 sum, all-gather: a chain of collectives
+    # 2 nodes x 2 ranks: reduce-scatter in the node, FP8 between nodes, all-gather in the node: three groups
+    (4, dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True)),
+    (4, dict(comm_dtype=torch.bfloat16, hierarchical=True)),
+], ids=["cast", "in-place", "fp8-sharded", "two-level-fp8", "two-level-bf16"])
+def test_survivors_stop_when_a_peer_is_killed(world_size, options):
     ctx = worker_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp, scoped_env({"TRITON_INTERPRET": "0"}):
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=call_as_the_test_left_off,
-                             args=(snapshot(_train_until_peer_dies, (r, 2, store_path, options)), results),
+                             args=(snapshot(_train_until_peer_dies, (r, world_size, store_path, options)), results),
                              daemon=True)
-                 for r in range(2)]
+                 for r in range(world_size)]
         for p in procs:
             p.start()
+        reports = {}
         try:
-            rank, outcome, step, message = results.get(timeout=TRAIN_SECONDS + 60)
+            while len(reports) < world_size - 1:
+                rank, outcome, step, message = results.get(timeout=TRAIN_SECONDS + 60)
+                reports[rank] = (outcome, step, message)
         except queue.Empty:
-            pytest.fail("the survivor neither raised nor finished (hang)")
+            pytest.fail(f"survivors {sorted(set(range(world_size)) - {1} - set(reports))} neither raised nor "
+                        "finished (hang)")
         finally:
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
-    assert rank == 0
+    assert sorted(reports) == [r for r in range(world_size) if r != 1]
     assert procs[1].exitcode == -signal.SIGKILL
-    assert outcome == "raised", f"rank 0 trained on alone for {step} steps after its peer died"
-    assert KILL_AT_STEP <= step <= KILL_AT_STEP + 1, step
-    assert message, "the error says nothing"
+    for rank, (outcome, step, message) in reports.items():
+        assert outcome == "raised", f"rank {rank} trained on alone for {step} steps after its peer died"
+        assert KILL_AT_STEP <= step <= KILL_AT_STEP + 1, (rank, step)
+        assert message, f"rank {rank}'s error says nothing"

@@ -1,0 +1,119 @@
+"""Which ranks share a node, agreed by every rank: the groups a two-level exchange runs on.
+
+A rank's node is what torchrun says (``GROUP_RANK``, the node's rank in the job, set for every worker it starts) or
+else the host's name. Every rank of the averaging group hands in its node's name (as a digest, so names of any
+length fit one all-gather), so every rank computes the same partition from the same list and they decide together:
+
+- nodes of different sizes: a ValueError on every rank (the shards would differ in size between nodes);
+- one node, or one rank per node: the flat exchange, with a warning (a two-level exchange would add a hop and save
+  nothing: all links are the node's own, or every rank is its node);
+- otherwise ``NodeGroups``: the node's group (its ranks, in rank order) and the cross group (the ranks with this
+  rank's local index on every node, nodes ordered by their lowest rank), made with ``new_group`` by their members
+  only (``use_local_synchronization``), so a process group that is a part of the world works too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..log import warn_once
+from .algo_groups import gather_text, group_timeout
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's place in the two-level exchange, and the two groups it runs on."""
+
+    n_nodes: int
+    local_size: int
+    """Ranks per node."""
+    node_index: int
+    """This rank's node, in the order of the nodes' lowest ranks: its rank in the cross group."""
+    local_index: int
+    """This rank's place in its node (rank order): its rank in the node group, and the shard it owns."""
+    node_group: Any
+    cross_group: Any
+    reduce_scatter: bool = True
+    """Whether the node group's reduce-scatter gives a Work with a future (NCCL's does; gloo's has none, or no
+    reduce-scatter at all in older torch): without, the node sums by an all-reduce of the whole bucket."""
+
+
+def node_name(env: Mapping[str, str] = os.environ) -> str:
+    """This process's node: ``node <GROUP_RANK>`` under torchrun, else ``host <hostname>``."""
+    group_rank = env.get("GROUP_RANK", "").strip()
+    if group_rank:
+        return f"node {group_rank}"
+    return f"host {socket.gethostname()}"
+
+
+def partition(names: List[str]) -> List[List[int]]:
+    """The positions of ``names`` grouped by name, groups in the order of their first position."""
+    by_name: Dict[str, List[int]] = {}
+    for position, name in enumerate(names):
+        by_name.setdefault(name, []).append(position)
+    return list(by_name.values())
+
+
+def bind_node_groups(group: Any, wire_name: str, env: Mapping[str, str] = os.environ) -> Optional[NodeGroups]:
+    """The node and cross groups of ``group`` for a two-level exchange, or None (flat, with a warning).
+
+    Collective over ``group``: every rank calls it at the same point (the state's binding).
+    """
+    digest = hashlib.sha256(node_name(env).encode()).hexdigest()
+    nodes = partition(gather_text(digest, group))
+    sizes = sorted({len(ranks) for ranks in nodes})
+    if len(sizes) > 1:
+        counts = ", ".join(str(len(ranks)) for ranks in nodes)
+        raise ValueError(f"hierarchical=True needs the same number of ranks on every node; the {len(nodes)} nodes "
+                         f"have {counts} ranks (nodes from GROUP_RANK, else the host name)")
+    if len(nodes) == 1 or sizes[0] == 1:
+        shape = "one node" if len(nodes) == 1 else "one rank per node"
+        warn_once(f"triton_hook: hierarchical=True on {shape} ({len(nodes)} x {sizes[0]} ranks): the two-level "
+                  f"exchange would add a hop and save nothing, so buckets go flat ({wire_name} over all ranks)")
+        return None
+    me = dist.get_rank(group)
+    global_ranks = dist.get_process_group_ranks(group)
+    node_index = next(k for k, ranks in enumerate(nodes) if me in ranks)
+    local_index = nodes[node_index].index(me)
+    backend = dist.get_backend(group)
+    timeout = group_timeout(group)
+
+    def new_group(members: List[int]) -> Any:
+        return dist.new_group([global_ranks[r] for r in members], backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+
+    node_group = new_group(nodes[node_index])
+    cross_group = new_group([ranks[local_index] for ranks in nodes])
+    return NodeGroups(len(nodes), sizes[0], node_index, local_index, node_group, cross_group,
+                      _reduce_scatter_has_future(node_group, sizes[0]))
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
+    """The asynchronous reduce-scatter into one tensor (torch >= 2.12 names it ``reduce_scatter_single``)."""
+    call = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return call(output, input, group=group, async_op=True)
+
+
+def _reduce_scatter_has_future(group: Any, size: int) -> bool:
+    """Whether a reduce-scatter on ``group`` runs and completes a future. Collective over ``group``: one tiny
+    reduce-scatter, the same outcome on every rank (the same torch and backend)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)).lower() \
+        else torch.device("cpu")
+    out = torch.zeros(1, device=device)
+    try:
+        work = reduce_scatter_single(out, torch.zeros(size, device=device), group)
+    except (RuntimeError, NotImplementedError, ValueError):  # this backend has no reduce-scatter here
+        return False
+    work.wait()
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True

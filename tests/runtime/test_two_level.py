@@ -1,0 +1,223 @@
+"""The two-level exchange (``hierarchical=True``) under real DDP at 2 nodes x 2 ranks.
+
+Tier: gloo multi-process on CPU on the kernels' torch path; each worker is told its node as torchrun tells it
+(``GROUP_RANK``). Every rank also averages every rank's local gradients with ``wire_reference.two_level_average``
+(written from the definition) over the buckets DDP handed the hook, in their order: the trained parameters must
+have the same bits, step after step, across DDP's rebuild, with FP8 residuals carried per parameter.
+"""
+
+import copy
+import logging
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from ddp_helpers import torch_path_workers
+from test_wire_formats import Wide, assert_same_params, data, ddp_backward, local_grads
+from wire_reference import MAX_FINITE, two_level_average
+
+LOCAL = 2  # ranks per node
+
+
+class TwoLevelReference:
+    """Training on one process: every rank's gradients averaged per bucket with the two-level reference."""
+
+    def __init__(self, model, options, world_size, lr=0.05):
+        self.model, self.world_size = copy.deepcopy(model), world_size
+        self.fmt = options["comm_dtype"]
+        self.float32_sums = options.get("accumulate_dtype") == torch.float32
+        self.params = list(self.model.parameters())
+        fp8 = self.fmt in MAX_FINITE
+        self.feedback = fp8 and options.get("error_feedback", True)
+        nodes = world_size // LOCAL
+        self.first = [[torch.zeros(p.numel()) for p in self.params] for _ in range(nodes)]
+        self.second = [torch.zeros(p.numel()) for p in self.params]
+        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9)
+
+    def step(self, x, y, buckets):
+        per_rank = [local_grads(self.model, x, y, r, self.world_size) for r in range(self.world_size)]
+        for order in buckets:
+            sizes = [self.params[i].numel() for i in order]
+            flat = [torch.cat([grads[i].reshape(-1).float() for i in order]) for grads in per_rank]
+            first = [torch.cat([node[i] for i in order]) for node in self.first] if self.feedback else None
+            second = torch.cat([self.second[i] for i in order]) if self.feedback else None
+            averaged = two_level_average(flat, sizes, LOCAL, self.fmt, self.float32_sums, first, second)
+            offset = 0
+            for i, size in zip(order, sizes):
+                part = slice(offset, offset + size)
+                self.params[i].grad = averaged[part].view_as(self.params[i]).to(self.params[i].dtype)
+                if self.feedback:
+                    for node, values in zip(self.first, first):
+                        node[i] = values[part].clone()
+                    self.second[i] = second[part].clone()
+                offset += size
+        self.opt.step()
+
+
+def recording_state(ddp, options):
+    """Register the hook through a wrapper that records each bucket's parameters (as DDP hands them) per step."""
+    state = ddp_triton.CommState(process_group=ddp.process_group, hierarchical=True, **options)
+    state.name_parameters(ddp.module)
+    index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+    buckets = []
+
+    def recording(state, bucket):
+        buckets.append([index[id(p)] for p in bucket.parameters()])
+        return ddp_triton.triton_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording)
+    return state, buckets
+
+
+def _same_bits_worker(rank, world_size, options, bucket_cap_mb, steps=4):
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    model = Wide()
+    reference = TwoLevelReference(model, options, world_size)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state, buckets = recording_state(ddp, options)
+    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
+    assert state.wire.name.startswith("two-level ")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = data(step)
+        buckets.clear()
+        opt.zero_grad()
+        ddp_backward(ddp, x, y, rank, world_size)
+        opt.step()
+        reference.step(x, y, buckets)
+        assert_same_params(ddp.module, reference.model, step)
+    return state
+
+
+def _every_format_worker(rank, world_size):
+    for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.float8_e5m2, error_feedback=False),
+                    dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), dict(comm_dtype=torch.bfloat16)):
+        for bucket_cap_mb in (25, 0.002):  # one bucket (its order reversed at the rebuild); one or two per tensor
+            state = _same_bits_worker(rank, world_size, options, bucket_cap_mb)
+            summary = state.summary()
+            # Between nodes: the part of 1/L of the bucket (padded to whole blocks) in the wire format.
+            cross = sum(n for b in summary.buckets for fmt, n in b.wire_bytes.items() if "(node)" not in fmt)
+            per_element = {torch.float8_e4m3fn: 132 / 128, torch.float8_e5m2: 132 / 128}.get(options["comm_dtype"], 2)
+            elements = summary.fp32_bytes_per_step / 4
+            assert cross >= elements / LOCAL * per_element, str(summary)
+            assert cross <= (elements / LOCAL + 128 * 2 * len(summary.buckets)) * per_element + 264 * 2, str(summary)
+
+
+def test_two_level_same_bits_as_the_reference():
+    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums, plain bf16: 2 nodes x 2 ranks."""
+    torch_path_workers(_every_format_worker, 4, timeout=240)
+
+
+def _checkpoint_worker(rank, world_size, tmp):
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    options = dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+
+    def fresh():
+        model = Wide()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = ddp_triton.register(ddp, **options)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            x, y = data(step)
+            opt.zero_grad()
+            ddp_backward(ddp, x, y, rank, world_size)
+            opt.step()
+
+    model, ddp, state, opt = fresh()
+    train(ddp, opt, range(6))
+    unbroken = [p.detach().clone() for p in model.parameters()]
+
+    model, ddp, state, opt = fresh()
+    train(ddp, opt, range(3))
+    saved = state.state_dict()
+    assert saved["wire_format"] == "two-level fp8e4m3+ef"
+    # Each rank holds the first stage of its own part of each bucket: some of it, not all of it.
+    held = torch.cat([t.view(-1) != 0 for t in saved["first_stage"].values()])
+    assert 0 < held.sum() < held.numel()
+    path = os.path.join(tmp, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": saved}, path)
+
+    model, ddp, state, opt = fresh()  # constructor bucket order again: parts move between the node's ranks
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    state.load_state_dict(checkpoint["hook"])
+    train(ddp, opt, range(3, 6))
+    for name, p, q in zip([n for n, _ in model.named_parameters()], model.parameters(), unbroken):
+        assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), f"{name} differs after resuming"
+    # A flat state refuses the two-level residuals (the first stage means another thing there).
+    flat = ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn)
+    flat.name_parameters(model)
+    with pytest.raises(ValueError, match="wire_format='two-level fp8e4m3\\+ef', this state has 'fp8e4m3\\+ef'"):
+        flat.load_state_dict(checkpoint["hook"])
+
+
+def test_two_level_fp8_checkpoint_resumes_bit_identically(tmp_path):
+    torch_path_workers(_checkpoint_worker, 4, str(tmp_path), timeout=240)
+
+
+def _fallback_worker(rank, world_size, node_of_rank, caplog_level):
+    os.environ["GROUP_RANK"] = str(node_of_rank[rank])
+    logging.getLogger("ddp_triton").setLevel(caplog_level)
+    state = ddp_triton.register(DDP(Wide()), comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32,
+                                hierarchical=True)
+    assert state.nodes is None and state.wire.name == "bf16+fp32sum", state.wire.name
+    _same_flat_bits(rank, world_size, state)
+
+
+def _same_flat_bits(rank, world_size, state):
+    x, y = data(0)
+    ddp = DDP(Wide())
+    ddp.register_comm_hook(state, ddp_triton.triton_hook)
+    ddp_backward(ddp, x, y, rank, world_size)
+    grads = torch.cat([p.grad.view(-1) for p in ddp.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(world_size)]
+    dist.all_gather(gathered, grads)
+    assert all(torch.equal(g, grads) for g in gathered)
+
+
+@pytest.mark.parametrize("node_of_rank", [(0, 0), (0, 1)], ids=["one-node", "one-rank-per-node"])
+def test_one_node_or_one_rank_per_node_goes_flat(node_of_rank):
+    torch_path_workers(_fallback_worker, 2, node_of_rank, logging.WARNING)
+
+
+def _unequal_nodes_worker(rank, world_size):
+    os.environ["GROUP_RANK"] = str(0 if rank < 2 else 1)
+    with pytest.raises(ValueError, match="same number of ranks on every node; the 2 nodes have 2, 1 ranks"):
+        ddp_triton.register(DDP(Wide()), comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+
+
+def test_nodes_of_different_sizes_fail_on_every_rank():
+    torch_path_workers(_unequal_nodes_worker, 3)
+
+
+def _disagreement_worker(rank, world_size):
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the wire format \(rank 0: two-level fp8e4m3\+ef; "
+                                           r"rank 1: fp8e4m3\+ef; rank 2: fp8e4m3\+ef; rank 3: fp8e4m3\+ef\)"):
+        ddp_triton.register(DDP(Wide()), comm_dtype=torch.float8_e4m3fn, hierarchical=rank == 0)
+
+
+def test_ranks_that_disagree_on_hierarchical_fail_together():
+    torch_path_workers(_disagreement_worker, 4)
+
+
+def test_part_length_whole_blocks_and_pieces():
+    from ddp_triton.runtime.two_level import part_length, pieces_within
+
+    assert part_length(3904, 2) == 2048  # 31 blocks: 16 and 15
+    assert part_length(4, 2) == 128  # the second part is empty
+    assert part_length(1, 8) == 128
+    assert all(part_length(n, k) % 128 == 0 and part_length(n, k) * k >= n
+               for n in (1, 127, 128, 129, 10_000) for k in (1, 2, 3, 8))
+    assert pieces_within([4, 1200, 300, 2400], 0, 2048) == [4, 1200, 300, 544]
+    assert pieces_within([4, 1200, 300, 2400], 2048, 3904) == [1856]
+    assert pieces_within([4], 128, 128) == []
+    assert math.isclose(sum(pieces_within([5, 7, 9], 3, 15)), 12)
