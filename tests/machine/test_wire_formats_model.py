@@ -111,3 +111,31 @@ def test_wire_format_input_errors():
         cm.wire_collectives(10, "fp8", 0)
     assert cm.canonical_wire_format("fp8e4m3+ef") == "fp8"
     assert math.isfinite(cm.wire_format_time_us(fabric("h200-vm-1gpu"), 10, "fp8"))
+
+
+def test_two_level_node_bytes_against_the_flat_ring_at_2_nodes_x_2_ranks():
+    """Per node link, per bucket: flat bf16 rings 2(N-1)/N of 2n bytes = 3n over 4 ranks; two-level each of the two
+    ranks sends its half once (2(M-1)/M = 1 at M = 2): 2n in bf16, 2 x 1.03n / 2 in FP8."""
+    n = 128 * 100_000
+    flat_bf16 = 3 * n
+    assert cm.two_level_part(n, 2) == n // 2
+    assert cm.two_level_node_bytes(n, "bf16", 2, 2) == 2 * n
+    assert cm.two_level_node_bytes(n, "fp8e4m3+ef", 2, 2) == n * 132 // 128
+    assert round(cm.two_level_node_bytes(n, "bf16", 2, 2) / flat_bf16, 2) == 0.67
+    assert round(cm.two_level_node_bytes(n, "fp8", 2, 2) / flat_bf16, 2) == 0.34
+
+
+def test_two_level_time_is_the_flat_time_where_the_runtime_goes_flat_and_cheaper_across_slow_nics():
+    one_node = cm.Fabric(ranks_per_node=8, nodes=1, intra_gbps=450, intra_link="nvlink", nvswitch=True, arch="hopper")
+    per_node = cm.Fabric(ranks_per_node=1, nodes=4, inter_gbps=12.5, arch="hopper")
+    for fabric in (one_node, per_node):
+        for fmt in ("bf16", "fp8"):
+            assert cm.two_level_time_us(fabric, 1 << 22, fmt) == cm.wire_format_time_us(fabric, 1 << 22, fmt)
+    slow = cm.Fabric(ranks_per_node=8, nodes=4, intra_gbps=450, inter_gbps=12.5, intra_link="nvlink", nvswitch=True,
+                     arch="hopper")
+    n = 26_214_400  # 100 MiB of float32 gradients
+    # FP8's all-to-all sends ppn times a ring's bytes per node; two-level sends one part per rank.
+    assert cm.two_level_time_us(slow, n, "fp8") < 0.5 * cm.wire_format_time_us(slow, n, "fp8")
+    assert cm.two_level_time_us(slow, n, "fp8") < cm.two_level_time_us(slow, n, "bf16")
+    with pytest.raises(ValueError, match="unknown wire format"):
+        cm.two_level_time_us(slow, n, "int4")

@@ -36,7 +36,8 @@ from .nccl import _latency_us, _log2i  # noqa: F401 (NCCL's latency and log2i, w
 from .ramp import (AMPERE_NVLINK_STEP_US, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best, estimate, nccl_choice,
                    protocol_time_us, ring_windows, sweep)
 from .wire import (FP8_BLOCK, FP8_BLOCK_BYTES, WIRE_FORMAT_ALIASES, WIRE_FORMATS, all_gather_time_us,
-                   all_to_all_time_us, canonical_wire_format, wire_bytes, wire_collectives, wire_format_time_us)
+                   all_to_all_time_us, canonical_wire_format, two_level_node_bytes, two_level_part, two_level_time_us,
+                   wire_bytes, wire_collectives, wire_format_time_us)
 
 __all__ = [
     # vocabulary (fabric.py; dtypes and NCCL versions from the base modules)
@@ -58,4 +59,5 @@ __all__ = [
     # wire formats (wire.py)
     "FP8_BLOCK", "FP8_BLOCK_BYTES", "WIRE_FORMATS", "WIRE_FORMAT_ALIASES", "all_gather_time_us",
     "all_to_all_time_us", "canonical_wire_format", "wire_bytes", "wire_collectives", "wire_format_time_us",
+    "two_level_node_bytes", "two_level_part", "two_level_time_us",
 ]

@@ -22,12 +22,20 @@ sends (ppn-1)/N of the message over its intra-node link while each node sends pp
 the two at once. With several GPUs per node that node traffic is ppn times a ring's per rank, so on 8-GPU nodes the
 all-to-all formats pay for their fewer bytes at the NICs; with one GPU per node they do not.
 All-gather is NCCL's ring all-gather: half the steps and half the bytes of a ring all-reduce.
+
+Two-level (``two_level_time_us``, the runtime's ``hierarchical=True``): inside each node a reduce-scatter of the
+float32 bucket (priced as the ring all-gather of the same buffer: the same steps and bytes), the node-crossing
+exchange of each rank's part (1/ppn of the bucket, whole FP8 blocks) among one rank per node in the format, and an
+all-gather inside the node. The ppn cross exchanges run at once and share the node's NICs, so each is priced on a
+fabric of one rank per node with 1/ppn of the node's rate. The stages run one after another.
 """
 
 from __future__ import annotations
 
 import math
 from typing import List, Tuple
+
+from dataclasses import replace
 
 from .fabric import PROTOCOLS, Fabric, _SIMPLE
 from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, _latency_parts, _plateau, inter_gbps_nccl,
@@ -132,3 +140,30 @@ def wire_format_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> fl
         else:
             total += all_gather_time_us(fabric, msg)
     return total
+
+
+def two_level_part(n_elements: int, ranks_per_node: int) -> int:
+    """Elements of each rank's part in a two-level exchange: the bucket's blocks shared out, whole blocks each."""
+    blocks = math.ceil(n_elements / FP8_BLOCK)
+    return max(1, math.ceil(blocks / ranks_per_node)) * FP8_BLOCK
+
+
+def two_level_node_bytes(n_elements: int, wire_format: str, ranks_per_node: int, nodes: int) -> int:
+    """Bytes one node sends through its link for a two-level bucket: its ppn ranks' cross exchanges."""
+    part = two_level_part(n_elements, ranks_per_node)
+    return ranks_per_node * wire_bytes(part, wire_format, nodes)
+
+
+def two_level_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> float:
+    """Predicted wire time of a bucket of ``n_elements`` float32 gradients exchanged two-level in ``wire_format``;
+    on one node or with one rank per node, the flat exchange's (what the runtime falls back to)."""
+    _check(n_elements, wire_format, fabric.world_size)
+    ppn, m = fabric.ranks_per_node, fabric.nodes
+    if ppn == 1 or m == 1:
+        return wire_format_time_us(fabric, n_elements, wire_format)
+    part = two_level_part(n_elements, ppn)
+    node = replace(fabric, nodes=1, inter_gbps=0.0)
+    cross = replace(fabric, ranks_per_node=1, intra_gbps=0.0, inter_gbps=fabric.inter_gbps / ppn, nvswitch=False,
+                    calibration=None)
+    inside = 2 * all_gather_time_us(node, ppn * part * 4)  # reduce-scatter + all-gather of the float32 bucket
+    return inside + wire_format_time_us(cross, part, wire_format)
