@@ -10,25 +10,28 @@ An exchange is a list of stages (``StagedExchange``), each a computation and an 
 sharded exchange has two (pack + all-to-all, sum + all-gather), a two-level one (``two_level.py``) a reduce-scatter
 inside the node, the node-crossing stages and an all-gather inside the node.
 
-Every rank must issue its collectives on a group in one order, and a gloo future's callback runs on gloo's own
-thread whenever the work finishes. So nothing here is issued from a callback in a race with the hook: an
-``ExchangeQueue`` issues, under one lock, the remaining stages of the bucket before (each once the collective
-before it has finished) and then the first stage of the next, giving a2a(0), ag(0), a2a(1), ag(1), ... on every
-rank. The last bucket of a backward, or a bucket whose next never comes, is driven by its first collective's
-completion (on gloo's thread, which then waits for the bucket's later collectives, all on other works). Any error
-(a failed collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one
-all-reduce.
+Every rank must issue the collectives of a group in one order, and a gloo future's callback runs on gloo's own
+thread whenever the work finishes. The ``ExchangeQueue`` keeps one rule: each group's collectives are issued in the
+order the buckets started, a bucket's in stage order. Under one lock it issues a stage once the collective before
+it has finished and no earlier bucket still owes a collective on the stage's group; completions call back to issue
+what they unblock (never waiting, on gloo's thread), the hook issues a bucket's first stage (first issuing what
+earlier buckets owe on its group, waiting if it must) and the last bucket of a backward issues everything left. The
+sharded exchange's two collectives share a group, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank; the
+two-level exchange's reduce-scatters, cross exchanges and all-gathers are on three groups, so a bucket's
+reduce-scatter goes out while the bucket before is still between nodes. Any error (a failed collective, a kernel's)
+fails that bucket's future, so the backward fails on this rank as with one all-reduce.
 
 The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
-queue (``ExchangeQueue.ordered``): they are issued after the pending bucket's all-gather and before the next
-bucket's all-to-all, never beside a callback's all-gather in an order that depends on which rank was late.
+queue (``ExchangeQueue.ordered``): they are issued after every collective the pending buckets owe and before the
+next bucket's, never beside a callback's collective in an order that depends on which rank was late.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,8 @@ class Stage(NamedTuple):
     """Telemetry name of the collective ("all_to_all", "all_gather", ...)."""
     issue: Callable[[], Any]
     """Issues the collective (``async_op=True``) and returns its Work."""
+    group: Any
+    """The process group the collective runs on: the queue issues each group's collectives in bucket order."""
 
 
 class StagedExchange:
@@ -67,6 +72,8 @@ class StagedExchange:
         self.stages, self.finish = tuple(stages), finish
         self.held = tuple(held)
         """The buffers the exchange holds (its memory), the first what its first collective is handed."""
+        self.groups_from = [frozenset(id(st.group) for st in self.stages[i:]) for i in range(len(self.stages) + 1)]
+        """For each stage index, the groups of that stage and the ones after it."""
 
 
 class ShardedExchange(StagedExchange):
@@ -76,9 +83,9 @@ class ShardedExchange(StagedExchange):
                  shard: torch.Tensor, prepare: Callable[[], None], reduce: Callable[[], None],
                  finish: Callable[[], None]) -> None:
         stages = (Stage("pack", prepare, "all_to_all",
-                        lambda: dist.all_to_all_single(recv, send, group=group, async_op=True)),
+                        lambda: dist.all_to_all_single(recv, send, group=group, async_op=True), group),
                   Stage("reduce", reduce, "all_gather",
-                        lambda: all_gather_into(send, shard, group=group, async_op=True)))
+                        lambda: all_gather_into(send, shard, group=group, async_op=True), group))
         super().__init__(buffer, group, stages, finish, (send, recv, shard))
         self.world_size = world_size
         self.send, self.recv, self.shard = send, recv, shard
@@ -90,22 +97,32 @@ class ShardedExchange(StagedExchange):
 
 
 class _Run:
-    """One bucket's exchange in flight: the stage whose collective was issued last, and its Work; ``watch``
+    """One bucket's exchange in flight: the next stage to run, the Work of the collective issued last; ``watch``
     (telemetry.Watch) records its phases, or None."""
 
     def __init__(self, exchange: StagedExchange, result: torch.futures.Future, watch: Any) -> None:
         self.exchange, self.result, self.watch = exchange, result, watch
-        self.stage = 0
+        self.next = 0
         self.work: Any = None
+        self.watched = 0
+        """The stage count when a completion callback was last put on ``work`` (0: none yet)."""
 
     def phase(self, name: str) -> Any:
         return self.watch.phase(name) if self.watch is not None else contextlib.nullcontext()
 
-    def run_stage(self, stage: Stage) -> None:
-        with self.phase(stage.compute_phase):
-            stage.compute()
+    def run_next(self, computed: bool = False) -> None:
+        """Run the next stage: its computation (unless ``computed`` already) and its collective."""
+        stage = self.exchange.stages[self.next]
+        if not computed:
+            with self.phase(stage.compute_phase):
+                stage.compute()
         with self.phase(stage.collective_phase):
             self.work = stage.issue()
+        self.next += 1
+
+    @property
+    def issued_all(self) -> bool:
+        return self.next == len(self.exchange.stages)
 
 
 class ExchangeQueue:
@@ -113,61 +130,103 @@ class ExchangeQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: Optional[_Run] = None
+        self._runs: Deque[_Run] = collections.deque()
+        """Runs with collectives left to issue, in the order their buckets started."""
+        self._wanted = False
+        """Set by a completion that found the lock held: whoever holds it tries again once it let go."""
 
     @contextlib.contextmanager
     def ordered(self) -> Iterator[None]:
         """Issue collectives of one's own inside this block: after every collective the queue has issued or owes
-        (the pending bucket's all-gather is issued first), and before any it issues next. Blocking ones may wait
-        here: no callback issues a collective while the block runs."""
-        with self._lock:
-            self._drive_pending()
-            yield
+        (every pending bucket's remaining stages are issued first), and before any it issues next. Blocking ones
+        may wait here: no completion issues a collective while the block runs."""
+        try:
+            with self._lock:
+                self._drain()
+                yield
+        finally:
+            self._poke_if_wanted()
 
     def start(self, exchange: StagedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
         """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the
-        bucket's telemetry (profiler ranges, timing) for this pass, or None."""
+        bucket's telemetry (profiler ranges, timing) for this pass, or None. ``last``: the backward's last bucket,
+        after which every pending stage is issued here."""
         devices = [exchange.buffer.device] if exchange.buffer.is_cuda else None
         result = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        with self._lock:
-            self._drive_pending()
-            run = _Run(exchange, result, watch)
-            run.run_stage(exchange.stages[0])
-            work = run.work
-            self._pending = run
-            if last:
-                self._drive_pending()
-        if not last:
-            work.get_future().then(lambda _: self._drive_if_pending(run))
+        run = _Run(exchange, result, watch)
+        try:
+            # The first computation (the pack) touches this bucket's buffers only: outside the lock, so that
+            # completions meanwhile issue what they unblock.
+            with run.phase(exchange.stages[0].compute_phase):
+                exchange.stages[0].compute()
+        except BaseException as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+            _fail(result, exc)
+            return result
+        try:
+            with self._lock:
+                first_group = id(exchange.stages[0].group)
+                if any(first_group in r.exchange.groups_from[r.next] for r in self._runs):
+                    self._drain()  # an earlier bucket still owes a collective on this group: issue it first
+                try:
+                    run.run_next(computed=True)
+                except BaseException as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+                    _fail(result, exc)
+                    return result
+                self._runs.append(run)
+                if last:
+                    self._drain()
+                else:
+                    self._advance()
+                self._watch_works()
+        finally:
+            self._poke_if_wanted()
         return result
 
-    def _drive_if_pending(self, run: _Run) -> None:
-        # Never block on the lock here (gloo's thread): a held lock means the hook is in ``start`` or ``ordered``,
-        # which drive the pending bucket before anything else. A gloo Work's wait() returns only after its future's
-        # callbacks ran, so the hook waits on the future, which returns before them.
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._pending is run:
-                self._drive_pending()
-        finally:
-            self._lock.release()
+    # ---- progress ------------------------------------------------------------------------------------------------
 
-    def _drive_pending(self) -> None:
-        """The pending bucket's remaining stages, each once the collective before has finished; then its finish on
-        the last collective's completion."""
-        run, self._pending = self._pending, None
-        if run is None:
-            return
-        exchange, result = run.exchange, run.result
+    def _drain(self) -> None:
+        """Issue every pending stage, run after run in order, each once its collective before has finished."""
+        while self._runs:
+            run = self._runs[0]
+            while not run.issued_all:
+                if not self._step(run, wait=True):
+                    break
+            self._runs.popleft()
+            if run.issued_all:
+                self._finish_when_done(run)
+
+    def _advance(self) -> None:
+        """Without waiting: every stage whose collective before has finished and whose group no earlier bucket still
+        owes a collective on, bucket by bucket in order."""
+        owed: set = set()
+        for run in list(self._runs):
+            while not run.issued_all:
+                if id(run.exchange.stages[run.next].group) in owed or not run.work.get_future().done():
+                    break
+                if not self._step(run, wait=False):
+                    break
+            if run.issued_all or run.result.done():
+                self._runs.remove(run)
+                if run.issued_all and not run.result.done():
+                    self._finish_when_done(run)
+            else:
+                owed |= run.exchange.groups_from[run.next]
+
+    def _step(self, run: _Run, wait: bool) -> bool:
+        """Run ``run``'s next stage once its collective before has finished; False (and the run failed) on an
+        error."""
         try:
-            for stage in exchange.stages[1:]:
-                run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
-                run.run_stage(stage)
+            future = run.work.get_future()
+            if wait or future.done():
+                future.wait()  # raises if it failed; on CUDA, orders this stream after it
+            run.run_next()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
-            _fail(result, exc)
-            return
+            _fail(run.result, exc)
+            return False
+        return True
 
+    def _finish_when_done(self, run: _Run) -> None:
+        exchange, result = run.exchange, run.result
         unpack = run.watch.unpack(exchange.finish) if run.watch is not None else exchange.finish
 
         def finish(fut: torch.futures.Future) -> None:
@@ -179,6 +238,30 @@ class ExchangeQueue:
                 _fail(result, exc)
 
         run.work.get_future().then(finish)
+
+    def _watch_works(self) -> None:
+        """Have the pending runs' latest collectives call back on completion, to issue what they unblock."""
+        for run in self._runs:
+            if run.watched != run.next:
+                run.watched = run.next
+                run.work.get_future().then(lambda _: self._poke())
+
+    def _poke(self) -> None:
+        """A collective finished (gloo's thread, or inline): issue what it unblocks, never waiting for the lock."""
+        self._wanted = True
+        while self._wanted:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder tries again after it let go (_poke_if_wanted)
+            try:
+                self._wanted = False
+                self._advance()
+                self._watch_works()
+            finally:
+                self._lock.release()
+
+    def _poke_if_wanted(self) -> None:
+        if self._wanted:
+            self._poke()
 
 
 def _fail(result: torch.futures.Future, exc: BaseException) -> None:

@@ -7,9 +7,10 @@ length fit one all-gather), so every rank computes the same partition from the s
 - nodes of different sizes: a ValueError on every rank (the shards would differ in size between nodes);
 - one node, or one rank per node: the flat exchange, with a warning (a two-level exchange would add a hop and save
   nothing: all links are the node's own, or every rank is its node);
-- otherwise ``NodeGroups``: the node's group (its ranks, in rank order) and the cross group (the ranks with this
-  rank's local index on every node, nodes ordered by their lowest rank), made with ``new_group`` by their members
-  only (``use_local_synchronization``), so a process group that is a part of the world works too.
+- otherwise ``NodeGroups``: the node's group (its ranks, in rank order), the cross group (the ranks with this
+  rank's local index on every node, nodes ordered by their lowest rank) and a second group of the node's ranks for
+  the all-gathers, made with ``new_group`` by their members only (``use_local_synchronization``), so a process
+  group that is a part of the world works too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ class NodeGroups:
     local_index: int
     """This rank's place in its node (rank order): its rank in the node group, and the shard it owns."""
     node_group: Any
+    """The node's ranks: the reduce-scatter (or the all-reduce) of each bucket."""
     cross_group: Any
+    gather_group: Any
+    """The node's ranks again, for the all-gathers: a group of their own, so that a bucket's all-gather never waits
+    in line behind the next bucket's reduce-scatter, nor the other way round (each group keeps bucket order)."""
     reduce_scatter: bool = True
     """Whether the node group's reduce-scatter gives a Work with a future (NCCL's does; gloo's has none, or no
     reduce-scatter at all in older torch): without, the node sums by an all-reduce of the whole bucket."""
@@ -91,7 +96,8 @@ def bind_node_groups(group: Any, wire_name: str, env: Mapping[str, str] = os.env
 
     node_group = new_group(nodes[node_index])
     cross_group = new_group([ranks[local_index] for ranks in nodes])
-    return NodeGroups(len(nodes), sizes[0], node_index, local_index, node_group, cross_group,
+    gather_group = new_group(nodes[node_index])
+    return NodeGroups(len(nodes), sizes[0], node_index, local_index, node_group, cross_group, gather_group,
                       _reduce_scatter_has_future(node_group, sizes[0]))
 
 

@@ -42,6 +42,10 @@ CUDA_EVENTS = "cuda events"
 HOST_CLOCK = "host perf_counter"
 
 
+#: What ends the name of bytes that stay inside a node (a two-level exchange's reduce-scatter and all-gather).
+IN_NODE = " (node)"
+
+
 def human_bytes(n: float) -> str:
     """``6553600`` -> ``"6.25 MiB"`` (binary units, three significant digits)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -247,6 +251,12 @@ class Summary:
         return sum(b.sent for b in self.buckets)
 
     @property
+    def between_nodes_bytes_per_step(self) -> int:
+        """Bytes handed to collectives that cross nodes in the latest pass: all of them but a two-level exchange's
+        inside its nodes."""
+        return sum(n for b in self.buckets for fmt, n in b.wire_bytes.items() if not fmt.endswith(IN_NODE))
+
+    @property
     def fp32_bytes_per_step(self) -> int:
         """What the same gradients would send as float32 (DDP's default all-reduce of float32 gradients)."""
         return sum(b.elements * 4 for b in self.buckets)
@@ -258,8 +268,11 @@ class Summary:
         sent, fp32 = self.wire_bytes_per_step, self.fp32_bytes_per_step
         algorithms = ", ".join(b.algorithm for b in self.buckets)
         n = len(self.buckets)
+        between = self.between_nodes_bytes_per_step
+        crossing = "" if between == sent else \
+            f", {human_bytes(between)} of it between nodes ({between / fp32:.2f}x float32's)"
         return (f"ddp_triton: {n} bucket{'s' if n != 1 else ''}, {human_bytes(sent)} on the wire per step "
-                f"({sent / fp32:.2f}x float32's {human_bytes(fp32)}), algorithm per bucket: {algorithms}")
+                f"({sent / fp32:.2f}x float32's {human_bytes(fp32)}{crossing}), algorithm per bucket: {algorithms}")
 
     def __str__(self) -> str:
         timed = self.clock is not None

@@ -31,7 +31,7 @@ from .exchange import (ShardedExchange, Stage, StagedExchange, all_gather_into, 
                        float32_sum_exchange)
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
-from .telemetry import wire_name
+from .telemetry import IN_NODE, wire_name
 from .wire import WireFormat
 
 
@@ -75,24 +75,26 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
     end = min(start + part, n)
     pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)
     unpack = kernels.bind_unpack(send[:n], [buffer], 1.0, stats=stats, canonical_nan=False)
-    node_group, cross_group = nodes.node_group, nodes.cross_group
+    node_group, cross_group, gather_group = nodes.node_group, nodes.cross_group, nodes.gather_group
     if nodes.reduce_scatter:
-        first = Stage("pack", pack, "reduce_scatter", lambda: reduce_scatter_single(shard, send, node_group))
+        first = Stage("pack", pack, "reduce_scatter", lambda: reduce_scatter_single(shard, send, node_group),
+                      node_group)
         take_part: Callable[[], None] = _nothing
     else:  # the node's sum by an all-reduce of the whole send buffer; this rank's part is copied out of it
-        first = Stage("pack", pack, "all_reduce", lambda: dist.all_reduce(send, group=node_group, async_op=True))
+        first = Stage("pack", pack, "all_reduce", lambda: dist.all_reduce(send, group=node_group, async_op=True),
+                      node_group)
         mine = send[nodes.local_index * part:(nodes.local_index + 1) * part]
 
         def take_part() -> None:
             shard.copy_(mine)
 
     def gather_node() -> Any:
-        return all_gather_into(send, shard, group=node_group, async_op=True)
+        return all_gather_into(send, shard, group=gather_group, async_op=True)
 
     residuals = None
     if not wire.sharded:
         cross_stages, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale, gather_node,
-                                                                  take_part)
+                                                                  gather_group, take_part)
     else:
         if wire.block_scaled:
             layout = kernels.block_layout(pieces_within(sizes, start, end), nodes.n_nodes)
@@ -104,13 +106,13 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
         else:
             cross = float32_sum_exchange(shard, wire.flat(), cross_group, nodes.n_nodes, 1.0, post_scale, None)
         cross_stages = [Stage("cross_pack", _in_turn(take_part, cross.prepare), "cross_all_to_all",
-                              cross.stages[0].issue),
-                        Stage("cross_reduce", cross.reduce, "cross_all_gather", cross.stages[1].issue),
-                        Stage("cross_unpack", cross.finish, "all_gather", gather_node)]
+                              cross.stages[0].issue, cross_group),
+                        Stage("cross_reduce", cross.reduce, "cross_all_gather", cross.stages[1].issue, cross_group),
+                        Stage("cross_unpack", cross.finish, "all_gather", gather_node, gather_group)]
         cross_held, cross_bytes = cross.held, cross.collective_bytes()[0]
     exchange = StagedExchange(buffer, node_group, [first, *cross_stages], unpack, (send, shard, *cross_held))
     node_bytes = send.numel() * send.element_size()
-    return exchange, residuals, {wire_name(buffer.dtype) + " (node)": node_bytes, wire.flat().name: cross_bytes}
+    return exchange, residuals, {wire_name(buffer.dtype) + IN_NODE: node_bytes, wire.flat().name: cross_bytes}
 
 
 def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
@@ -125,7 +127,7 @@ def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[]
 
 
 def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, post_scale: float,
-                      gather_node: Callable[[], Any], take_part: Callable[[], None]
+                      gather_node: Callable[[], Any], gather_group: Any, take_part: Callable[[], None]
                       ) -> Tuple[List[Stage], Tuple[torch.Tensor, ...], int]:
     """The cross exchange as one all-reduce of the part in the comm dtype (summed in it, as NCCL adds)."""
     in_place = wire.comm_dtype == shard.dtype
@@ -134,7 +136,7 @@ def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, p
                           kernels.bind_pack([shard], on_wire, 1.0, canonical_nan=False))
     cross_unpack = kernels.bind_unpack(on_wire, [shard], post_scale, canonical_nan=False)
     stages = [Stage("cross_pack", cross_pack, "cross_all_reduce",
-                    lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True)),
-              Stage("cross_unpack", cross_unpack, "all_gather", gather_node)]
+                    lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True), cross_group),
+              Stage("cross_unpack", cross_unpack, "all_gather", gather_node, gather_group)]
     held = () if in_place else (on_wire,)
     return stages, held, on_wire.numel() * on_wire.element_size()

@@ -49,7 +49,8 @@ class Recorder:
             group = kwargs.get("group")
             with self._lock:
                 self.calls.append((name if owner is dist else "exchange." + name,
-                                   tuple(dist.get_process_group_ranks(group)) if group is not None else None,
+                                   (tuple(dist.get_process_group_ranks(group)), group.group_name)
+                                   if group is not None else None,
                                    None if tensor is None else tensor.numel()))
             return real(*args, **kwargs)
 
@@ -126,14 +127,16 @@ def _order_worker(rank, world_size, options, trials):
         records = [None] * world_size
         dist.all_gather_object(records, recorder.calls)
         if options.get("hierarchical"):  # node and cross groups: each group's members issue its calls in one order
-            groups = {ranks for calls in records for _, ranks, _ in calls}
-            assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups, groups  # 2 nodes, 2 cross groups (and the world)
-            for ranks in groups:
-                members = tuple(range(world_size)) if ranks is None else ranks
-                on_group = [[c for c in records[r] if c[1] == ranks] for r in members]
+            groups = {group for calls in records for _, group, _ in calls}
+            # 2 nodes with 2 groups each (reduce-scatters, all-gathers), 2 cross groups, and the world
+            pairs = sorted(ranks for ranks, _ in groups - {None} if len(ranks) == 2)
+            assert pairs == [(0, 1), (0, 1), (0, 2), (1, 3), (2, 3), (2, 3)], groups
+            for group in groups:
+                members = tuple(range(world_size)) if group is None else group[0]
+                on_group = [[c for c in records[r] if c[1] == group] for r in members]
                 for r, calls in zip(members, on_group):
                     assert calls == on_group[0], (f"trial {trial} ({options}): rank {r} issued its collectives on "
-                                                  f"group {ranks} in another order than rank {ranks[0]}")
+                                                  f"group {group} in another order than rank {members[0]}")
         else:
             for other, calls in enumerate(records):
                 assert calls == records[0], (f"trial {trial} ({options}): rank {other} issued its collectives in "

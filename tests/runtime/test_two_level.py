@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_helpers import torch_path_workers
-from test_wire_formats import Wide, assert_same_params, data, ddp_backward, local_grads
+from test_wire_formats import (Wide, assert_same_params, data, ddp_backward, local_grads,
+                               resume_matches_unbroken)
 from wire_reference import MAX_FINITE, two_level_average
 
 LOCAL = 2  # ranks per node
@@ -74,9 +75,27 @@ def recording_state(ddp, options):
     return state, buckets
 
 
-def _same_bits_worker(rank, world_size, options, bucket_cap_mb, steps=4):
-    os.environ["GROUP_RANK"] = str(rank // LOCAL)
-    model = Wide()
+class Tiny(torch.nn.Module):
+    """36 elements: one bucket smaller than one block, so the node's second rank has an empty part."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def _same_bits_worker(rank, world_size, options, bucket_cap_mb, steps=4, model_class=Wide):
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)  # what torchrun tells each worker
+    return check_against_reference(rank, world_size, options, bucket_cap_mb, steps, model_class)
+
+
+def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, model_class=Wide):
+    """Train ``model_class`` under DDP with hierarchical=True for ``steps`` steps, the parameters' bits checked
+    against the reference after each; the nodes are what the environment says. Returns the state."""
+    model = model_class()
     reference = TwoLevelReference(model, options, world_size)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     state, buckets = recording_state(ddp, options)
@@ -101,7 +120,9 @@ def _every_format_worker(rank, world_size):
             state = _same_bits_worker(rank, world_size, options, bucket_cap_mb)
             summary = state.summary()
             # Between nodes: the part of 1/L of the bucket (padded to whole blocks) in the wire format.
-            cross = sum(n for b in summary.buckets for fmt, n in b.wire_bytes.items() if "(node)" not in fmt)
+            cross = summary.between_nodes_bytes_per_step
+            assert cross == sum(n for b in summary.buckets for fmt, n in b.wire_bytes.items() if "(node)" not in fmt)
+            assert "between nodes" in summary.headline(), summary.headline()
             per_element = {torch.float8_e4m3fn: 132 / 128, torch.float8_e5m2: 132 / 128}.get(options["comm_dtype"], 2)
             elements = summary.fp32_bytes_per_step / 4
             assert cross >= elements / LOCAL * per_element, str(summary)
@@ -113,45 +134,31 @@ def test_two_level_same_bits_as_the_reference():
     torch_path_workers(_every_format_worker, 4, timeout=240)
 
 
-def _checkpoint_worker(rank, world_size, tmp):
-    os.environ["GROUP_RANK"] = str(rank // LOCAL)
-    options = dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+def _tiny_worker(rank, world_size):
+    for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.bfloat16,
+                                                               accumulate_dtype=torch.float32)):
+        state = _same_bits_worker(rank, world_size, options, 25, steps=3, model_class=Tiny)
+        part_elements = [e.exchange.held[1].numel() for e in state.latest_pass()]
+        assert part_elements == [128], part_elements  # 36 elements: one block per part, the second part empty
 
-    def fresh():
-        model = Wide()
-        ddp = DDP(model, bucket_cap_mb=0.004)
-        state = ddp_triton.register(ddp, **options)
-        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
-    def train(ddp, opt, steps):
-        for step in steps:
-            x, y = data(step)
-            opt.zero_grad()
-            ddp_backward(ddp, x, y, rank, world_size)
-            opt.step()
+def test_two_level_bucket_smaller_than_a_part():
+    torch_path_workers(_tiny_worker, 4)
 
-    model, ddp, state, opt = fresh()
-    train(ddp, opt, range(6))
-    unbroken = [p.detach().clone() for p in model.parameters()]
 
-    model, ddp, state, opt = fresh()
-    train(ddp, opt, range(3))
-    saved = state.state_dict()
+def _own_parts_only(saved):
     assert saved["wire_format"] == "two-level fp8e4m3+ef"
     # Each rank holds the first stage of its own part of each bucket: some of it, not all of it.
     held = torch.cat([t.view(-1) != 0 for t in saved["first_stage"].values()])
     assert 0 < held.sum() < held.numel()
-    path = os.path.join(tmp, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": saved}, path)
 
-    model, ddp, state, opt = fresh()  # constructor bucket order again: parts move between the node's ranks
-    checkpoint = torch.load(path, weights_only=True)
-    model.load_state_dict(checkpoint["model"])
-    opt.load_state_dict(checkpoint["opt"])
-    state.load_state_dict(checkpoint["hook"])
-    train(ddp, opt, range(3, 6))
-    for name, p, q in zip([n for n, _ in model.named_parameters()], model.parameters(), unbroken):
-        assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), f"{name} differs after resuming"
+
+def _checkpoint_worker(rank, world_size, tmp):
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    # The fresh model starts in constructor bucket order: the parts move between the node's ranks.
+    checkpoint = resume_matches_unbroken(rank, world_size, tmp, dict(comm_dtype=torch.float8_e4m3fn,
+                                                                     hierarchical=True), 0.004, _own_parts_only)
+    model = Wide()
     # A flat state refuses the two-level residuals (the first stage means another thing there).
     flat = ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn)
     flat.name_parameters(model)

@@ -154,11 +154,14 @@ def test_same_bits_one_bucket_across_the_rebuild_and_with_static_graph():
     torch_path_workers(_one_bucket_worker, 3)
 
 
-def _checkpoint_worker(rank, world_size, tmp):
+def resume_matches_unbroken(rank, world_size, tmp, options, bucket_cap_mb=25, inspect=None):
+    """Train 6 steps unbroken; then 3, save model, optimizer and residuals (``inspect(saved)`` looks at them), load
+    them into a fresh DDP model (constructor bucket order again) and train 3 more: the same bits. Returns the
+    checkpoint."""
     def fresh():
         model = Wide()
-        ddp = DDP(model)
-        state = ddp_triton.register(ddp, **FP8_EF)
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        state = ddp_triton.register(ddp, **options)
         return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
     def train(ddp, opt, steps):
@@ -175,12 +178,12 @@ def _checkpoint_worker(rank, world_size, tmp):
     model, ddp, state, opt = fresh()
     train(ddp, opt, range(3))
     path = os.path.join(tmp, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
     saved = state.state_dict()
-    assert saved["first_stage"] and saved["second_stage"], "error feedback left nothing to save"
-    assert any(t.abs().sum() > 0 for t in saved["second_stage"].values())
+    if inspect is not None:
+        inspect(saved)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": saved}, path)
 
-    model, ddp, state, opt = fresh()  # a fresh DDP: constructor bucket order again
+    model, ddp, state, opt = fresh()
     checkpoint = torch.load(path, weights_only=True)
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["opt"])
@@ -188,6 +191,16 @@ def _checkpoint_worker(rank, world_size, tmp):
     train(ddp, opt, range(3, 6))
     for name, p, q in zip([n for n, _ in model.named_parameters()], model.parameters(), unbroken):
         assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), f"{name} differs after resuming"
+    return checkpoint
+
+
+def _some_residuals(saved):
+    assert saved["first_stage"] and saved["second_stage"], "error feedback left nothing to save"
+    assert any(t.abs().sum() > 0 for t in saved["second_stage"].values())
+
+
+def _checkpoint_worker(rank, world_size, tmp):
+    resume_matches_unbroken(rank, world_size, tmp, FP8_EF, inspect=_some_residuals)
 
 
 def test_checkpoint_resumes_bit_identically(tmp_path):
