@@ -130,11 +130,12 @@ class Workload:
 
 
 def make_workload(model: str, small: bool, batch: Optional[int], seq: Optional[int], device: torch.device,
-                  world: int) -> Workload:
-    """Build ``model`` ("mlp" or "gpt2") on ``device`` with its batch (random inputs, seed 0)."""
+                  world: int, blocks: Optional[int] = None) -> Workload:
+    """Build ``model`` ("mlp" or "gpt2") on ``device`` with its batch (random inputs, seed 0); ``blocks``: the
+    MLP's residual blocks (default 12)."""
     torch.manual_seed(0)
     if model == "mlp":
-        width, blocks = (128, 2) if small else (1024, 12)
+        width, blocks = (128, 2) if small else (1024, 12 if blocks is None else blocks)
         batch = 64 if batch is None else batch
         base = make_model(width, blocks).to(device)
         params = sum(q.numel() for q in base.parameters())

@@ -130,6 +130,12 @@ def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], 
         ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn)
     elif variant == "triton_hook_fp8_no_ef":
         ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, error_feedback=False)
+    elif variant == "triton_hook_bf16_2level":  # reduced in the node in float32, bf16 between nodes
+        ddp_triton.register(ddp, comm_dtype=torch.bfloat16, hierarchical=True)
+    elif variant == "triton_hook_bf16_fp32sum_2level":
+        ddp_triton.register(ddp, comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32, hierarchical=True)
+    elif variant == "triton_hook_fp8_2level":  # reduced in the node in float32, FP8 + error feedback between nodes
+        ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, hierarchical=True)
     elif variant != "no_hook":
         raise ValueError(f"unknown variant {variant}")
     return None
@@ -334,6 +340,27 @@ def captured_step(base: nn.Module, loss: Callable[[nn.Module], torch.Tensor], de
     return graph.replay
 
 
+def link_bytes(iface: Optional[str]) -> Tuple[int, int]:
+    """(tx, rx) bytes of this node's interface ``iface`` by the kernel's own counters, read by the node's local rank 0
+    after every rank got here (0, 0 on the other ranks, or without ``iface``)."""
+    if not iface:
+        return 0, 0
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0, 0
+    stats = Path("/sys/class/net") / iface / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def node_link_per_step(tx: int, rx: int, steps: int) -> Dict[str, float]:
+    """Bytes each node's link sent and received per step, the mean over the nodes (their local ranks 0 counted)."""
+    counts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (tx, rx, int(os.environ.get("LOCAL_RANK", "0")) == 0))
+    leaders = [(t, r) for t, r, leader in counts if leader]
+    return {"node_link_tx_bytes_per_step": sum(t for t, _ in leaders) / len(leaders) / steps,
+            "node_link_rx_bytes_per_step": sum(r for _, r in leaders) / len(leaders) / steps}
+
+
 def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],
                   backend: str, notes: List[str]) -> List[Dict[str, Any]]:
     """Median step time per variant and bucket view, the variants taking turns in rounds."""
@@ -350,12 +377,25 @@ def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device
                 timer = functools.partial(time_steps, ddp, work.loss, clip=clip)
             models.append((variant, timer, []))
         # Rounds, each variant in turn: a slow patch of the machine (clocks, another tenant) hits them all alike.
+        link = {variant: [0, 0, 0] for variant, _, _ in models}  # tx bytes, rx bytes, steps (warm-up included)
         for round_ in range(args.rounds):
-            for _, timer, times in models:
-                times += timer(max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2, device)
+            for variant, timer, times in models:
+                steps, warmup = max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2
+                # The first round holds one-time traffic (DDP's rebuild after step 0, FP8's residual re-slice): the
+                # link is counted over the later rounds, when there are any.
+                counted = args.link_iface if round_ > 0 or args.rounds == 1 else None
+                before = link_bytes(counted)
+                times += timer(steps, warmup, device)
+                after = link_bytes(counted)
+                if counted:
+                    link[variant] = [link[variant][0] + after[0] - before[0],
+                                     link[variant][1] + after[1] - before[1], link[variant][2] + steps + warmup]
         for variant, _, times in models:
-            rows.append({"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
-                         "min_ms": min(times), "steps": len(times)})
+            row = {"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
+                   "min_ms": min(times), "steps": len(times)}
+            if args.link_iface:
+                row.update(node_link_per_step(*link[variant]))
+            rows.append(row)
         del models
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -435,6 +475,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 8 (gpt2), 2 (gpt2 --small)")
     p.add_argument("--seq", type=int, default=None, help="gpt2: tokens per sequence (default: the context, 1024; "
                                                           "32 with --small)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="mlp: residual blocks of width 1024 (default 12: 100.7M parameters; 3: 25.2M)")
     p.add_argument("--small", action="store_true",
                    help="a CPU smoke run: the MLP at width 128 and 2 blocks, GPT-2 at 2 layers and d_model 64")
     p.add_argument("--bucket-view", choices=("both", "off", "on"), default="both",
@@ -443,6 +485,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile each variant instead of timing it: chrome traces and per-bucket host times; "
                         "e.g. --variants no_hook,triton_hook_bf16")
+    p.add_argument("--link-iface", default=None,
+                   help="also count the bytes this node's interface sends and receives per step (its kernel counters, "
+                        "read by each node's local rank 0 around each variant's steps after the first round; eth0 "
+                        "under bench.cluster)")
     p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
@@ -450,6 +496,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.steps = 5 if args.profile else 100
     if args.model == "mlp" and args.seq is not None:
         p.error("--seq applies to --model gpt2")
+    if args.blocks is not None and (args.model != "mlp" or args.small or args.blocks < 1):
+        p.error("--blocks takes a positive count, for --model mlp without --small")
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be at least 1")
 
@@ -458,7 +506,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    work = make_workload(args.model, args.small, args.batch, args.seq, device, world)
+    work = make_workload(args.model, args.small, args.batch, args.seq, device, world, blocks=args.blocks)
     backend = str(dist.get_backend()).lower()
     views = {"both": (False, True), "off": (False,), "on": (True,)}[args.bucket_view]
 
@@ -481,9 +529,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             env.update(profiled_steps=args.steps, warmup=args.warmup)
             report_profiles(env, results, notes, out_dir, work.stem.replace("ddp_step", "ddp_profile"))
         else:
-            table = format_table(["variant", "bucket view", "median ms", "min ms", "x no hook (same view)"],
-                                 [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
-                                   r["vs_no_hook"]] for r in rows])
+            headers = ["variant", "bucket view", "median ms", "min ms", "x no hook (same view)"]
+            if args.link_iface:
+                headers += ["node link MB sent per step", "node link MB received per step"]
+            table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
+                                            r["vs_no_hook"]]
+                                           + ([r["node_link_tx_bytes_per_step"] / 1e6,
+                                               r["node_link_rx_bytes_per_step"] / 1e6] if args.link_iface else [])
+                                           for r in rows])
             path = save_json(work.stem, {"env": env, "rows": rows, "notes": notes}, args.out_dir)
             print(f"{env}\n\n{table}\n\nsaved {path}")
             for n in sorted(set(notes)):

@@ -19,6 +19,12 @@ Schemes (the averaged gradient against the float64 mean of the same float32 grad
   ``runtime.state.split_average``), all-reduce sum in fp16, times ``post`` in float32.
 - ``bf16+fp32sum``: ``g * (1/N)`` rounded to bf16, summed in float32 in rank order, rounded once to bf16
   (the all-to-all / sum / all-gather exchange).
+- ``two-level ...`` (``hierarchical=True``), nodes of ``RANKS_PER_NODE`` = 8 ranks: ``g * (1/N)`` summed in float32
+  over each node's ranks in rank order (NCCL's intra-node reduce-scatter is a ring; in float32 the order changes
+  the last bits only), then the node sums exchanged between the N/8 nodes as the flat scheme does between ranks,
+  without a second division: bf16 in NCCL's ring order, bf16 with float32 sums, FP8 E4M3 with blocks that follow
+  the tensors inside each of the 8 parts of the bucket (``runtime.two_level.part_length``). At N <= 8, one node:
+  the flat scheme, as the runtime falls back to.
 - ``fp8e4m3``, ``fp8e5m2``: block-scaled FP8, blocks of 128 cut per tensor, power-of-two scale per block;
   ``g * (1/N)`` quantized, dequantized and summed in float32 in rank order, the sum requantized (one step, no
   error feedback). ``fp8e4m3 bucket-offset blocks``: the same with blocks cut at 128-element offsets of the flat
@@ -70,6 +76,7 @@ from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
 from ddp_triton.runtime.bucket import split_average  # noqa: E402
+from ddp_triton.runtime.two_level import part_length, pieces_within  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -98,7 +105,10 @@ STEPS = 100
 SEEDS = 3  # the one-step table is the median over this many data sets: fp16's overflow depends on the tail's draw
 TAIL_DF = 3  # Student-t degrees of freedom: heavy tails with a finite variance
 
-SCHEMES = ("torch_bf16", "bf16", "fp16_split", "bf16+fp32sum", "fp8e4m3", "fp8e5m2", "fp8e4m3 bucket-offset blocks")
+SCHEMES = ("torch_bf16", "bf16", "fp16_split", "bf16+fp32sum", "fp8e4m3", "fp8e5m2", "fp8e4m3 bucket-offset blocks",
+           "two-level bf16", "two-level bf16+fp32sum", "two-level fp8e4m3")
+#: Ranks per node of the two-level schemes (an 8-GPU node); at N <= this they are the flat scheme (one node).
+RANKS_PER_NODE = 8
 
 
 # ---- data ----------------------------------------------------------------------------------------------------------
@@ -183,9 +193,10 @@ def ours_16bit(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     return total if post == 1.0 else total * post
 
 
-def float32_sum(x: torch.Tensor, wire: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The sharded exchange: x / N rounded to the wire dtype, float32 sum in rank order, one rounding."""
-    sent = (x * (1.0 / x.shape[0])).to(wire)
+def float32_sum(x: torch.Tensor, wire: torch.dtype = torch.bfloat16, scale: Optional[float] = None) -> torch.Tensor:
+    """The sharded exchange: x / N (or x * ``scale``) rounded to the wire dtype, float32 sum in rank order, one
+    rounding."""
+    sent = (x * (1.0 / x.shape[0] if scale is None else scale)).to(wire)
     total = torch.zeros(x.shape[1], dtype=torch.float32)
     for r in range(x.shape[0]):
         total = total + sent[r].float()
@@ -220,14 +231,16 @@ class Fp8Exchange:
 
     ``sizes``: the tensors' sizes (blocks per tensor), or ``[n]`` for blocks at the bucket's 128-element offsets."""
 
-    def __init__(self, n_ranks: int, sizes: Sequence[int], fmt: torch.dtype, error_feedback: bool) -> None:
+    def __init__(self, n_ranks: int, sizes: Sequence[int], fmt: torch.dtype, error_feedback: bool,
+                 scale: Optional[float] = None) -> None:
         self.n_ranks, self.sizes, self.spec = n_ranks, list(sizes), FORMATS[fmt]
+        self.scale = 1.0 / n_ranks if scale is None else scale
         rows = sum(-(-s // BLOCK_ELEMENTS) for s in sizes)
         self.first = torch.zeros(n_ranks, rows, BLOCK_ELEMENTS) if error_feedback else None
         self.second = torch.zeros(rows, BLOCK_ELEMENTS) if error_feedback else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        values = to_rows(x * (1.0 / self.n_ranks), self.sizes)  # kernels: src * scale, then + residual
+        values = to_rows(x * self.scale if self.scale != 1.0 else x, self.sizes)  # src * scale, then + residual
         if self.first is not None:
             values = values + self.first
         n_ranks, rows = values.shape[:2]
@@ -248,6 +261,57 @@ class Fp8Exchange:
 
 def fp8_one_step(x: torch.Tensor, sizes: Sequence[int], fmt: torch.dtype) -> torch.Tensor:
     return Fp8Exchange(x.shape[0], sizes, fmt, error_feedback=False)(x)
+
+
+# ---- two-level: float32 sums inside the node, the format between nodes ------------------------------------------------
+
+
+def node_sums(x: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """(N, n) -> (N / L, n): each node's sum of ``g * (1/N)`` in float32, its ranks in order."""
+    n_ranks = x.shape[0]
+    if n_ranks % ranks_per_node:
+        raise ValueError(f"N={n_ranks} is not a whole number of nodes of {ranks_per_node} ranks")
+    scaled = (x * (1.0 / n_ranks)).view(n_ranks // ranks_per_node, ranks_per_node, -1)
+    total = scaled[:, 0].clone()
+    for r in range(1, ranks_per_node):
+        total += scaled[:, r]
+    return total
+
+
+def two_level_pieces(sizes: Sequence[int], ranks_per_node: int) -> List[int]:
+    """The tensors' pieces inside each of the bucket's parts, in order: the FP8 blocks of a two-level exchange."""
+    n = sum(sizes)
+    part = part_length(n, ranks_per_node)
+    return [size for j in range(ranks_per_node) for size in pieces_within(sizes, min(j * part, n),
+                                                                            min((j + 1) * part, n))]
+
+
+class TwoLevel:
+    """The two-level form of a scheme: at N <= L the flat scheme (one node), else node sums then ``between`` over
+    the nodes (already divided by N)."""
+
+    def __init__(self, flat: Any, between: Any, ranks_per_node: int) -> None:
+        self.flat, self.between, self.ranks_per_node = flat, between, ranks_per_node
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.ranks_per_node:
+            return self.flat(x)
+        return self.between(node_sums(x, self.ranks_per_node))
+
+
+def two_level_schemes(n_ranks: int, sizes: Sequence[int], ranks_per_node: int,
+                      error_feedback: bool = False) -> Dict[str, TwoLevel]:
+    """The two-level bf16, bf16 + float32 sums and FP8 E4M3 averages of N ranks' (N, n) gradients."""
+    nodes = max(1, n_ranks // ranks_per_node)
+    pieces = two_level_pieces(sizes, ranks_per_node)
+    fp8 = Fp8Exchange(nodes, pieces, torch.float8_e4m3fn, error_feedback, scale=1.0)
+    return {
+        "two-level bf16": TwoLevel(lambda x: ours_16bit(x, torch.bfloat16),
+                                   lambda sums: ring_sum(sums.to(torch.bfloat16)).float(), ranks_per_node),
+        "two-level bf16+fp32sum": TwoLevel(float32_sum, lambda sums: float32_sum(sums, scale=1.0), ranks_per_node),
+        "two-level fp8e4m3": TwoLevel(Fp8Exchange(n_ranks, sizes, torch.float8_e4m3fn, error_feedback), fp8,
+                                      ranks_per_node),
+    }
 
 
 # ---- self-check against the library's launchers ---------------------------------------------------------------------
@@ -316,6 +380,7 @@ def one_step(grads: Gradients, n_ranks: int) -> Dict[str, Dict[str, float]]:
         "fp8e4m3": fp8_one_step(x, grads.sizes, torch.float8_e4m3fn),
         "fp8e5m2": fp8_one_step(x, grads.sizes, torch.float8_e5m2),
         "fp8e4m3 bucket-offset blocks": fp8_one_step(x, [grads.n], torch.float8_e4m3fn),
+        **{name: scheme(x) for name, scheme in two_level_schemes(n_ranks, grads.sizes, RANKS_PER_NODE).items()},
     }
     return {scheme: errors(value, exact, grads) for scheme, value in results.items()}
 
@@ -325,7 +390,9 @@ def running_sum(grads: Gradients, n_ranks: int, steps: int) -> Dict[str, List[fl
     the exact running sum: its relative L2 error ("<scheme>"), the same for the smallest tensor ("small <scheme>"),
     and the error's L2 norm in units of one step's exact average gradient norm ("drift <scheme>")."""
     exchanges = {"fp8e4m3+ef": Fp8Exchange(n_ranks, grads.sizes, torch.float8_e4m3fn, error_feedback=True),
-                 "fp8e4m3": Fp8Exchange(n_ranks, grads.sizes, torch.float8_e4m3fn, error_feedback=False)}
+                 "fp8e4m3": Fp8Exchange(n_ranks, grads.sizes, torch.float8_e4m3fn, error_feedback=False),
+                 "two-level fp8e4m3+ef": two_level_schemes(n_ranks, grads.sizes, RANKS_PER_NODE,
+                                                           error_feedback=True)["two-level fp8e4m3"]}
     small = dict(grads.slices())[min(grads.tensors, key=lambda t: t[2])[0]]
     exact = torch.zeros(grads.n, dtype=torch.float64)
     sums = {name: torch.zeros(grads.n, dtype=torch.float64) for name in exchanges}
@@ -483,7 +550,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     ef_rows = []
     for n in ef_ns:
         c = runs[str(n)]
-        for name in ("fp8e4m3+ef", "fp8e4m3"):
+        for name in ("fp8e4m3+ef", "fp8e4m3", "two-level fp8e4m3+ef"):
             ef_rows.append([n, name] + [c[name][m - 1] for m in marks] + [c["small " + name][steps - 1]]
                            + [c["drift " + name][m - 1] for m in marks])
     table_ef = format_table(["N", "scheme"] + [f"rel. error after {m}" for m in marks]

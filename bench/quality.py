@@ -67,9 +67,14 @@ FORMATS: Dict[str, Dict[str, Any]] = {
     "bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32},
     "fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True},
     "fp8e4m3": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": False},
+    # Two-level (hierarchical=True): the ranks are 2 nodes (GROUP_RANK = rank // (N/2)); at 2 ranks, one rank per
+    # node, they run flat.
+    "two-level bf16": {"comm_dtype": torch.bfloat16, "hierarchical": True},
+    "two-level bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32, "hierarchical": True},
+    "two-level fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True, "hierarchical": True},
 }
 #: The targets: final loss within this fraction of fp32's.
-TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02}
+TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02, "two-level bf16+fp32sum": 0.005, "two-level fp8e4m3+ef": 0.02}
 
 #: A fixed selection of the standard library's own sources (present in every CPython 3.9+), 215 KB on 3.11.
 CORPUS_FILES = ("argparse.py", "textwrap.py", "shlex.py", "string.py", "fnmatch.py", "heapq.py", "bisect.py",
@@ -195,9 +200,11 @@ TASKS = {"seed": SeedTask, "char": CharTask}
 def wire_bytes(state: Any) -> Dict[str, Any]:
     """Bytes on the wire of the latest backward, as the state counted them, and the all-gather shards it does not."""
     summary = state.summary()
-    gathered = sum(e.exchange.collective_bytes()[1] for e in state.latest_pass() if e.exchange is not None)
+    gathered = sum(e.exchange.collective_bytes()[1] for e in state.latest_pass()
+                   if hasattr(e.exchange, "collective_bytes"))
     return {"per_step": summary.wire_bytes_per_step, "fp32_per_step": summary.fp32_bytes_per_step,
             "ratio_to_fp32": summary.wire_bytes_per_step / summary.fp32_bytes_per_step,
+            "between_nodes_per_step": summary.between_nodes_bytes_per_step,
             "buckets": [{"index": b.index, "elements": b.elements, "wire_format": b.wire_format,
                          "bytes": b.wire_bytes} for b in summary.buckets],
             "all_gather_shard_per_step": gathered, "headline": summary.headline()}
@@ -229,6 +236,7 @@ def train(task: Any, fmt: str, steps: int, rank: int, world_size: int) -> Dict[s
 def worker(rank: int, world_size: int, store_path: str, out_path: str, models: List[str], formats: List[str],
            steps: Dict[str, int], last: int, quick: bool) -> None:
     torch.set_num_threads(1)  # one core per rank; two threads per rank on 2 busy cores only wait on each other
+    os.environ["GROUP_RANK"] = str(rank // max(1, world_size // 2))  # two nodes, for the two-level formats
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     results: Dict[str, Any] = {}
@@ -276,7 +284,8 @@ def summarize(results: Dict[str, Any], last: int) -> Dict[str, Any]:
             final = _final(run["losses"], last)
             row = {"final_loss": round(final, 5), "eval_loss": run["eval_loss"],
                    "wire_bytes_per_step": run["wire_bytes"]["per_step"],
-                   "ratio_to_fp32_bytes": round(run["wire_bytes"]["ratio_to_fp32"], 4)}
+                   "ratio_to_fp32_bytes": round(run["wire_bytes"]["ratio_to_fp32"], 4),
+                   "between_nodes_per_step": run["wire_bytes"]["between_nodes_per_step"]}
             if base_final is not None:
                 row["vs_fp32"] = round(final / base_final - 1.0, 5)
                 row["eval_vs_fp32"] = round(run["eval_loss"] / base["eval_loss"] - 1.0, 5)
@@ -371,10 +380,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             run = model["runs"][fmt]
             table.append([fmt, f"{row['final_loss']:.4f}", _pct(row.get("vs_fp32")), f"{row['eval_loss']:.4f}",
                           _pct(row.get("eval_vs_fp32")), _target(row), row["wire_bytes_per_step"],
-                          f"{row['ratio_to_fp32_bytes']:.3f}", run["wire_bytes"]["all_gather_shard_per_step"] or "-",
-                          run["seconds"]])
+                          f"{row['ratio_to_fp32_bytes']:.3f}", row["between_nodes_per_step"],
+                          run["wire_bytes"]["all_gather_shard_per_step"] or "-", run["seconds"]])
         print(format_table(["format", "final loss", "vs fp32", "held-out loss", "vs fp32", "target",
-                            "bytes/step (state)", "x fp32 bytes", "all-gather shard bytes", "train s"], table))
+                            "bytes/step (state)", "x fp32 bytes", "between nodes", "all-gather shard bytes",
+                            "train s"], table))
     message = None if args.no_plot else plot(data, out.with_suffix(".png"))
     print(f"\nsaved {out}" + ("" if args.no_plot or message else f" and {out.with_suffix('.png')}"))
     if message:

@@ -6,6 +6,7 @@
     python tests/netem_probe.py send --bytes 4194304 --ready-file F    # no torch: rank 0 -> the last rank, TCP
     python tests/netem_probe.py fail --code 3                          # exit 3 (rank 1), others sleep
     python tests/netem_probe.py sleep --seconds 60                     # prints its pid, then sleeps
+    python tests/netem_probe.py two-level                              # hierarchical=True vs its reference
 
 Each rank prints one line ``PROBE {json}``; the test reads them from bench.cluster's output. Times are wall-clock
 seconds per collective, measured after a barrier so that the ranks start it together.
@@ -118,9 +119,28 @@ def send(args) -> None:
         report(rank=rank, received=received)
 
 
+def two_level() -> None:
+    """Train under DDP with hierarchical=True, nodes as torchrun gives them, every step against the reference of
+    tests/runtime/test_two_level.py (which raises on the first difference); report the state's node groups."""
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.join(here, "runtime")]
+    from test_two_level import check_against_reference
+
+    dist = init()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    nodes = []
+    for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.bfloat16)):
+        state = check_against_reference(rank, world_size, options, 0.004)
+        nodes.append([state.nodes.n_nodes, state.nodes.local_size, state.nodes.node_index, state.nodes.local_index])
+    report(rank=rank, same_bits=True, nodes=nodes, wire=state.wire.name)
+    leave(dist)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("env", "allreduce", "pingpong", "send", "fail", "sleep"))
+    p.add_argument("mode", choices=("env", "allreduce", "pingpong", "send", "fail", "sleep", "two-level"))
     p.add_argument("--numel", type=int, default=1 << 21, help="elements per all-reduce, in every dtype")
     p.add_argument("--dtypes", default="float32")
     p.add_argument("--iters", type=int, default=3)
@@ -129,7 +149,9 @@ def main() -> None:
     p.add_argument("--code", type=int, default=3)
     p.add_argument("--seconds", type=float, default=60)
     args = p.parse_args()
-    if args.mode == "env":
+    if args.mode == "two-level":
+        two_level()
+    elif args.mode == "env":
         report(pid=os.getpid(), **{k: os.environ.get(k) for k in LAUNCH_VARS})
     elif args.mode == "allreduce":
         allreduce(args)

@@ -49,6 +49,17 @@ def test_ddp_step_benchmark_smoke(tmp_path):
     assert any("bf16_compress_hook skipped" in n for n in data["notes"])
 
 
+def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
+    """World size 1 (one node: the two-level variant runs flat); --link-iface reads loopback's kernel counters."""
+    stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                        "--bucket-view", "off", "--variants", "no_hook,triton_hook_fp8_2level,triton_hook_bf16_2level",
+                        "--link-iface", "lo", "--no-results"], tmp_path)
+    assert [r["variant"] for r in data["rows"]] == ["no_hook", "triton_hook_fp8_2level", "triton_hook_bf16_2level"]
+    for row in data["rows"]:
+        assert row["node_link_tx_bytes_per_step"] >= 0 and row["node_link_rx_bytes_per_step"] >= 0
+    assert "node link MB sent per step" in stdout
+
+
 def test_ddp_step_gpt2_smoke(tmp_path):
     stdout, data = run(["bench.ddp_step", "--small", "--model", "gpt2", "--steps", "2", "--warmup", "1", "--rounds",
                         "1", "--variants", "no_hook,triton_hook_bf16,triton_hook_bf16_clip_state", "--no-results"],

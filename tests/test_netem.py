@@ -288,6 +288,20 @@ def test_ranks_get_torchruns_environment(unchanged, tmp_path):
 
 
 @pytest.mark.netem
+def test_two_level_exchange_across_namespaces_gives_the_references_bits(unchanged, tmp_path):
+    """2 nodes x 2 ranks under torchrun (nodes from its GROUP_RANK), 1 Gbit/s: hierarchical=True, FP8 + error
+    feedback and bf16, the parameters' bits against the reference after every step, DDP's rebuild included."""
+    out = run_cluster("--nodes", "2", "--procs-per-node", "2", "--link", "1gbit", "--log-dir", str(tmp_path),
+                      "--", sys.executable, PROBE, "two-level", timeout=240)
+    ranks = {p["rank"]: p for p in probes(out.stdout)}
+    assert sorted(ranks) == [0, 1, 2, 3], out.stdout[-3000:]
+    for rank, p in ranks.items():
+        node, local = divmod(rank, 2)
+        assert p["same_bits"] and p["wire"] == "two-level bf16"
+        assert p["nodes"] == [[2, 2, node, local]] * 2
+
+
+@pytest.mark.netem
 @pytest.mark.parametrize("case", ["ok", "failing-rank", "timeout"])
 def test_nothing_left_behind(unchanged, case):
     """Whatever the job does, the run removes its namespaces and links and no process of the job survives."""
