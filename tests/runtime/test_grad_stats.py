@@ -11,6 +11,7 @@ patched to fail there), and must call it, with the same results, in each fallbac
 """
 
 import math
+import os
 import pickle
 from unittest import mock
 
@@ -310,6 +311,22 @@ def _grad_stats_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_grad_norm_found_inf_and_clip_match_torch(world_size):
     torch_path_workers(_grad_stats_worker, world_size)
+
+
+def _two_level_worker(rank, world_size):
+    os.environ["GROUP_RANK"] = str(rank // 2)  # 2 nodes x 2 ranks
+    for options in (dict(comm_dtype=torch.bfloat16), dict(comm_dtype=torch.float8_e4m3fn)):
+        ddp = DDP(make_model(), bucket_cap_mb=0.002)
+        state = ddp_triton.register(ddp, grad_stats=True, hierarchical=True, **options)
+        assert state.nodes is not None
+        for s, max_norm in enumerate((0.05, 1e3)):
+            step(ddp, rank, world_size, s)
+            check_clip_via_state(ddp, state, max_norm)
+
+
+def test_two_level_statistics_are_the_averaged_gradients():
+    """The two-level exchange's last pass (the unpack after the node's all-gather) gives the statistics."""
+    torch_path_workers(_two_level_worker, 4)
 
 
 def test_in_place_unpack_at_scale_one_is_a_stats_pass():
