@@ -134,6 +134,10 @@ class ExchangeQueue:
         """Runs with collectives left to issue, in the order their buckets started."""
         self._wanted = False
         """Set by a completion that found the lock held: whoever holds it tries again once it let go."""
+        self._broken: Optional[BaseException] = None
+        """The error of a bucket that failed before issuing all its collectives. Its peers issued them, so this
+        rank's order no longer matches theirs: every later bucket and ``ordered`` block fails at once rather than
+        pair its collectives with the wrong ones."""
 
     @contextlib.contextmanager
     def ordered(self) -> Iterator[None]:
@@ -143,6 +147,7 @@ class ExchangeQueue:
         try:
             with self._lock:
                 self._drain()
+                self._check_intact()
                 yield
         finally:
             self._poke_if_wanted()
@@ -159,7 +164,9 @@ class ExchangeQueue:
             # completions meanwhile issue what they unblock.
             with run.phase(exchange.stages[0].compute_phase):
                 exchange.stages[0].compute()
-        except BaseException as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+        except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+            with self._lock:
+                self._break(exc)
             _fail(result, exc)
             return result
         try:
@@ -168,8 +175,10 @@ class ExchangeQueue:
                 if any(first_group in r.exchange.groups_from[r.next] for r in self._runs):
                     self._drain()  # an earlier bucket still owes a collective on this group: issue it first
                 try:
+                    self._check_intact()
                     run.run_next(computed=True)
-                except BaseException as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+                except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+                    self._break(exc)
                     _fail(result, exc)
                     return result
                 self._runs.append(run)
@@ -190,10 +199,9 @@ class ExchangeQueue:
             run = self._runs[0]
             while not run.issued_all:
                 if not self._step(run, wait=True):
-                    break
+                    return  # every pending bucket failed with it
             self._runs.popleft()
-            if run.issued_all:
-                self._finish_when_done(run)
+            self._finish_when_done(run)
 
     def _advance(self) -> None:
         """Without waiting: every stage whose collective before has finished and whose group no earlier bucket still
@@ -204,26 +212,41 @@ class ExchangeQueue:
                 if id(run.exchange.stages[run.next].group) in owed or not run.work.get_future().done():
                     break
                 if not self._step(run, wait=False):
-                    break
-            if run.issued_all or run.result.done():
+                    return  # every pending bucket failed with it
+            if run.issued_all:
                 self._runs.remove(run)
-                if run.issued_all and not run.result.done():
-                    self._finish_when_done(run)
+                self._finish_when_done(run)
             else:
                 owed |= run.exchange.groups_from[run.next]
 
     def _step(self, run: _Run, wait: bool) -> bool:
-        """Run ``run``'s next stage once its collective before has finished; False (and the run failed) on an
-        error."""
+        """Run ``run``'s next stage once its collective before has finished (waiting for it, or, without ``wait``,
+        only called once it has); False, with every pending bucket failed, on an error."""
         try:
-            future = run.work.get_future()
-            if wait or future.done():
-                future.wait()  # raises if it failed; on CUDA, orders this stream after it
+            run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
             run.run_next()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
+        except Exception as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
             _fail(run.result, exc)
+            self._break(exc)
             return False
         return True
+
+    def _break(self, exc: BaseException) -> None:
+        """A bucket failed with collectives left unissued: fail every pending bucket and everything after."""
+        if self._broken is None:
+            self._broken = exc
+        for run in self._runs:
+            _fail(run.result, self._broken_error())
+        self._runs.clear()
+
+    def _broken_error(self) -> RuntimeError:
+        return RuntimeError(f"triton_hook: an earlier bucket's exchange failed on this rank ({self._broken!r}) with "
+                            "collectives its peers issued left unissued here, so this state's collectives no "
+                            "longer pair with theirs; the job must stop (or build a new state on new groups)")
+
+    def _check_intact(self) -> None:
+        if self._broken is not None:
+            raise self._broken_error()
 
     def _finish_when_done(self, run: _Run) -> None:
         exchange, result = run.exchange, run.result
@@ -256,6 +279,8 @@ class ExchangeQueue:
                 self._wanted = False
                 self._advance()
                 self._watch_works()
+            except BaseException as exc:  # noqa: BLE001 - on gloo's thread nobody would see it: fail the buckets
+                self._break(exc)
             finally:
                 self._lock.release()
 
