@@ -5,7 +5,8 @@ autotuned per-size choice of NCCL algorithm (one process group per algorithm), t
 per bucket, its bound path (``bucket.py``). Memory held: one comm-dtype copy of each bucket (half the gradients'
 bytes for float32 gradients sent as bfloat16), nothing when the comm dtype equals the bucket dtype, which is sent
 in place; the sharded exchanges' send, receive and shard buffers instead for the formats summed in float32, and
-the FP8 residuals (``held_bytes``).
+the FP8 residuals (``held_bytes``); two-level, a padded bucket-dtype copy of each bucket and a part, plus the
+cross format's buffers for the part.
 
 A state pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its settings alone, the way torch's
 PowerSGDState does: the process group, the resolved profile, the algorithm groups, buffers and launches stay behind,
