@@ -194,14 +194,22 @@ class ExchangeQueue:
     # ---- progress ------------------------------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Issue every pending stage, run after run in order, each once its collective before has finished."""
-        while self._runs:
-            run = self._runs[0]
-            while not run.issued_all:
-                if not self._step(run, wait=True):
-                    return  # every pending bucket failed with it
-            self._runs.popleft()
-            self._finish_when_done(run)
+        """Issue every pending stage, waiting as needed. Called with the lock held; it lets go of it while it waits
+        for the earliest bucket's collective (which always lets something go out next), so that completions
+        meanwhile issue what they unblock: a later bucket's collective on another group never waits for an
+        earlier bucket's to finish."""
+        while True:
+            self._advance()
+            if not self._runs:
+                return
+            future = self._runs[0].work.get_future()
+            self._lock.release()
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - the next _advance fails the bucket with this error
+                pass
+            finally:
+                self._lock.acquire()
 
     def _advance(self) -> None:
         """Without waiting: every stage whose collective before has finished and whose group no earlier bucket still
@@ -211,7 +219,7 @@ class ExchangeQueue:
             while not run.issued_all:
                 if id(run.exchange.stages[run.next].group) in owed or not run.work.get_future().done():
                     break
-                if not self._step(run, wait=False):
+                if not self._step(run):
                     return  # every pending bucket failed with it
             if run.issued_all:
                 self._runs.remove(run)
@@ -219,9 +227,9 @@ class ExchangeQueue:
             else:
                 owed |= run.exchange.groups_from[run.next]
 
-    def _step(self, run: _Run, wait: bool) -> bool:
-        """Run ``run``'s next stage once its collective before has finished (waiting for it, or, without ``wait``,
-        only called once it has); False, with every pending bucket failed, on an error."""
+    def _step(self, run: _Run) -> bool:
+        """Run ``run``'s next stage, its collective before having finished; False, with every pending bucket
+        failed, on an error."""
         try:
             run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
             run.run_next()

@@ -94,3 +94,42 @@ def test_a_failure_fails_the_buckets_waiting_behind_it():
         with pytest.raises(RuntimeError):
             result.wait()
     assert rec.issued == [(0, 0, NODE), (1, 0, NODE), (0, 1, CROSS)]
+
+
+def test_the_last_bucket_drains_without_holding_later_buckets_behind_earlier_ones():
+    """The backward's last bucket issues everything left, but a bucket's cross-node collective goes out as soon as
+    the bucket before has issued its own on that group, not once it has finished."""
+    import threading
+    import time
+
+    rec, queue = Recorder(), ExchangeQueue()
+    first = queue.start(rec.exchange(0, TWO_LEVEL), last=False)
+    results = {}
+    draining = threading.Thread(daemon=True, target=lambda: results.setdefault(1, queue.start(rec.exchange(1, TWO_LEVEL),
+                                                                                 last=True)))
+    draining.start()
+
+    def issued(entry):
+        deadline = time.monotonic() + 10
+        while entry not in rec.issued:
+            assert time.monotonic() < deadline, (entry, rec.issued)
+            time.sleep(0.001)
+
+    issued((1, 0, NODE))
+    rec.complete(0, 0)
+    rec.complete(1, 0)
+    issued((0, 1, CROSS))
+    rec.complete(0, 1)
+    issued((1, 1, CROSS))  # bucket 0's all-gather between nodes is still in flight
+    assert not rec.works[(0, 2)].future.done()
+    for bucket, stage in ((0, 2), (1, 1), (1, 2)):
+        rec.complete(bucket, stage)
+    issued((1, 3, GATHER))
+    draining.join(timeout=10)
+    assert not draining.is_alive()
+    rec.complete(0, 3)
+    rec.complete(1, 3)
+    assert first.done() and results[1].done()
+    for group in (NODE, CROSS, GATHER):
+        order = [(b, s) for b, s, g in rec.issued if g == group]
+        assert order == sorted(order), (group, rec.issued)
