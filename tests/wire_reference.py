@@ -85,7 +85,7 @@ def float32_sum_average(per_rank: Sequence[Sequence[torch.Tensor]], wire: torch.
 
 def two_level_average(per_rank: Sequence[torch.Tensor], sizes: Sequence[int], local_size: int, fmt: torch.dtype,
                       float32_sums: bool, first: List[torch.Tensor] = None,
-                      second: torch.Tensor = None) -> torch.Tensor:
+                      second: torch.Tensor = None, nodes: Sequence[Sequence[int]] = None) -> torch.Tensor:
     """The two-level average of one bucket (``per_rank``: each rank's flat float32 bucket, ranks node by node,
     ``local_size`` per node; ``sizes``: its tensors' element counts in bucket order), from the definition:
 
@@ -93,14 +93,17 @@ def two_level_average(per_rank: Sequence[torch.Tensor], sizes: Sequence[int], lo
     ``local_size`` parts of whole 128-element blocks (ceil(blocks / local_size) each); each part averaged over the
     nodes in the wire format with the part's tensor pieces as the tensors: FP8 block-scaled with float32 sums (error
     feedback with ``first``, per node a bucket-length tensor, and ``second``, bucket-length, updated in place), 16
-    bits with float32 sums, or (``float32_sums`` False) summed in the wire dtype in node order.
+    bits with float32 sums, or (``float32_sums`` False) summed in the wire dtype in node order. ``nodes``: each
+    node's ranks (default: ``local_size`` consecutive ranks each); ``first`` follows that order of nodes.
     """
     n_ranks, n = len(per_rank), per_rank[0].numel()
-    nodes = n_ranks // local_size
+    members = nodes if nodes is not None else [range(k * local_size, (k + 1) * local_size)
+                                               for k in range(n_ranks // local_size)]
+    nodes = len(members)
     node_sums = []
-    for k in range(nodes):
+    for ranks in members:
         total = torch.zeros(n, dtype=torch.float32)
-        for r in range(k * local_size, (k + 1) * local_size):
+        for r in sorted(ranks):
             total = total + per_rank[r].float() * (1.0 / n_ranks)
         node_sums.append(total)
     part = max(1, -(-(-(-n // BLOCK)) // local_size)) * BLOCK

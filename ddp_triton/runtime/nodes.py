@@ -9,8 +9,8 @@ length fit one all-gather), so every rank computes the same partition from the s
   nothing: all links are the node's own, or every rank is its node);
 - otherwise ``NodeGroups``: the node's group (its ranks, in rank order), the cross group (the ranks with this
   rank's local index on every node, nodes ordered by their lowest rank) and a second group of the node's ranks for
-  the all-gathers, made with ``new_group`` by their members only (``use_local_synchronization``), so a process
-  group that is a part of the world works too.
+  the all-gathers: made by every rank in one order on the default group, by their members only
+  (``use_local_synchronization``) on a part of the world.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,14 @@ from .algo_groups import gather_text, group_timeout
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """This rank's place in the two-level exchange, and the two groups it runs on."""
+    """This rank's place in the two-level exchange, and the three groups it runs on."""
 
     n_nodes: int
     local_size: int
     """Ranks per node."""
     node_index: int
-    """This rank's node, in the order of the nodes' lowest ranks: its rank in the cross group."""
+    """This rank's rank in the cross group: which shard of the cross exchange it owns (the node's place in the order
+    of the nodes' lowest ranks when each node's ranks are contiguous, as torchrun makes them)."""
     local_index: int
     """This rank's place in its node (rank order): its rank in the node group, and the shard it owns."""
     node_group: Any
@@ -85,20 +86,45 @@ def bind_node_groups(group: Any, wire_name: str, env: Mapping[str, str] = os.env
         return None
     me = dist.get_rank(group)
     global_ranks = dist.get_process_group_ranks(group)
-    node_index = next(k for k, ranks in enumerate(nodes) if me in ranks)
-    local_index = nodes[node_index].index(me)
-    backend = dist.get_backend(group)
-    timeout = group_timeout(group)
-
-    def new_group(members: List[int]) -> Any:
-        return dist.new_group([global_ranks[r] for r in members], backend=backend, timeout=timeout,
-                              use_local_synchronization=True)
-
-    node_group = new_group(nodes[node_index])
-    cross_group = new_group([ranks[local_index] for ranks in nodes])
-    gather_group = new_group(nodes[node_index])
+    mine = next(k for k, ranks in enumerate(nodes) if me in ranks)
+    local_index = nodes[mine].index(me)
+    node_group, cross_group, gather_group = _make_groups(group, nodes, mine, local_index, global_ranks)
+    # A process group orders its ranks by global rank: the cross exchange's shards follow that order, which is the
+    # nodes' order only when each node's ranks are contiguous.
+    node_index = dist.get_rank(cross_group)
     return NodeGroups(len(nodes), sizes[0], node_index, local_index, node_group, cross_group, gather_group,
                       _reduce_scatter_has_future(node_group, sizes[0]))
+
+
+def _make_groups(group: Any, nodes: List[List[int]], mine: int, local_index: int,
+                 global_ranks: List[int]) -> Tuple[Any, Any, Any]:
+    """This rank's node group, cross group and gather group.
+
+    On the default group every rank creates every group in one order (``new_group``'s own rule, and the only one
+    that holds whatever subgroups the job made before). On a part of the world, the other ranks may never get here:
+    each group is made by its members only (``use_local_synchronization``), which needs every member to have made
+    the same groups before (torch names such a group after its ranks and the count of groups the process knows).
+    """
+    backend, timeout = dist.get_backend(group), group_timeout(group)
+    local_size = len(nodes[0])
+
+    def members(kind: str, index: int) -> List[int]:
+        ranks = nodes[index] if kind != "cross" else [node[index] for node in nodes]
+        return [global_ranks[r] for r in ranks]
+
+    wanted = {"node": mine, "cross": local_index, "gather": mine}
+    made: Dict[str, Any] = {}
+    if len(global_ranks) == dist.get_world_size():
+        for kind, count in (("node", len(nodes)), ("cross", local_size), ("gather", len(nodes))):
+            for index in range(count):
+                created = dist.new_group(members(kind, index), backend=backend, timeout=timeout)
+                if index == wanted[kind]:
+                    made[kind] = created
+    else:
+        for kind in ("node", "cross", "gather"):
+            made[kind] = dist.new_group(members(kind, wanted[kind]), backend=backend, timeout=timeout,
+                                        use_local_synchronization=True)
+    return made["node"], made["cross"], made["gather"]
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:

@@ -28,8 +28,8 @@ LOCAL = 2  # ranks per node
 class TwoLevelReference:
     """Training on one process: every rank's gradients averaged per bucket with the two-level reference."""
 
-    def __init__(self, model, options, world_size, lr=0.05):
-        self.model, self.world_size = copy.deepcopy(model), world_size
+    def __init__(self, model, options, world_size, lr=0.05, nodes=None):
+        self.model, self.world_size, self.nodes = copy.deepcopy(model), world_size, nodes
         self.fmt = options["comm_dtype"]
         self.float32_sums = options.get("accumulate_dtype") == torch.float32
         self.params = list(self.model.parameters())
@@ -47,7 +47,7 @@ class TwoLevelReference:
             flat = [torch.cat([grads[i].reshape(-1).float() for i in order]) for grads in per_rank]
             first = [torch.cat([node[i] for i in order]) for node in self.first] if self.feedback else None
             second = torch.cat([self.second[i] for i in order]) if self.feedback else None
-            averaged = two_level_average(flat, sizes, LOCAL, self.fmt, self.float32_sums, first, second)
+            averaged = two_level_average(flat, sizes, LOCAL, self.fmt, self.float32_sums, first, second, self.nodes)
             offset = 0
             for i, size in zip(order, sizes):
                 part = slice(offset, offset + size)
@@ -92,11 +92,12 @@ def _same_bits_worker(rank, world_size, options, bucket_cap_mb, steps=4, model_c
     return check_against_reference(rank, world_size, options, bucket_cap_mb, steps, model_class)
 
 
-def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, model_class=Wide):
+def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, model_class=Wide, nodes=None):
     """Train ``model_class`` under DDP with hierarchical=True for ``steps`` steps, the parameters' bits checked
-    against the reference after each; the nodes are what the environment says. Returns the state."""
+    against the reference after each; the nodes are what the environment says (``nodes``: their ranks, if not
+    consecutive). Returns the state."""
     model = model_class()
-    reference = TwoLevelReference(model, options, world_size)
+    reference = TwoLevelReference(model, options, world_size, nodes=nodes)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     state, buckets = recording_state(ddp, options)
     assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
@@ -144,6 +145,29 @@ def _tiny_worker(rank, world_size):
 
 def test_two_level_bucket_smaller_than_a_part():
     torch_path_workers(_tiny_worker, 4)
+
+
+def _interleaved_worker(rank, world_size):
+    os.environ["GROUP_RANK"] = str((0, 1, 1, 0)[rank])  # node 0: ranks 0 and 3, node 1: ranks 1 and 2
+    state = check_against_reference(rank, world_size, dict(comm_dtype=torch.float8_e4m3fn), 25,
+                                    nodes=[[0, 3], [1, 2]])
+    assert (state.nodes.local_index, state.nodes.node_index) == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}[rank]
+
+
+def test_two_level_nodes_whose_ranks_interleave():
+    """The cross exchange's shards follow the cross group's rank order; the FP8 residuals must follow them, across
+    DDP's rebuild (one bucket whose order it reverses)."""
+    torch_path_workers(_interleaved_worker, 4)
+
+
+def _after_a_subgroup_worker(rank, world_size):
+    dist.new_group([0, 1], use_local_synchronization=True)  # made by two ranks only: the others never see it
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    check_against_reference(rank, world_size, dict(comm_dtype=torch.bfloat16), 25, steps=2)
+
+
+def test_two_level_binds_after_a_subgroup_only_some_ranks_made():
+    torch_path_workers(_after_a_subgroup_worker, 4, timeout=90)
 
 
 def _own_parts_only(saved):
