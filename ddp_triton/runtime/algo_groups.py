@@ -180,7 +180,8 @@ def select_group(groups: Mapping[str, ProcessGroup], profile: Any, nbytes: int) 
                          f"(groups: {sorted(groups)}); build groups from profile.algorithms()") from None
 
 
-def _digest_device(pg: ProcessGroup) -> torch.device:
+def collective_device(pg: ProcessGroup) -> torch.device:
+    """Where a tensor for a collective on ``pg`` lives: the current CUDA device on NCCL, else the CPU."""
     if "nccl" in str(dist.get_backend(pg)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -245,7 +246,7 @@ def fail_together(problem: Optional[str], process_group: ProcessGroup) -> None:
 
 def gather_text(text: str, pg: ProcessGroup) -> List[str]:
     """Every rank's ``text`` (ASCII, the same length on every rank), through one all_gather of bytes."""
-    mine = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8, device=_digest_device(pg))
+    mine = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8, device=collective_device(pg))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(gathered, mine, group=pg)
     return [bytes(t.cpu().tolist()).decode("ascii", "replace") for t in gathered]

@@ -195,25 +195,26 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
                         "float16")
     stats = new_stats(buffer) if grad_stats else None
     index = bucket.index() if bucket is not None else None
+    # The parameters, listed once per bucket at binding, where FP8's blocks or the statistics need them.
+    params = list(bucket.parameters()) if bucket is not None and (wire.block_scaled or grad_stats) else []
+    sizes = tuple(p.numel() for p in params)
+    if wire.block_scaled and sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow
+        raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
+                         f"{sum(sizes)} of {buffer.numel()} elements")
     if wire.hierarchical:
         if nodes is None:
             raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
-        params = list(bucket.parameters()) if bucket is not None else []
-        sizes = tuple(p.numel() for p in params)
-        if wire.block_scaled and sum(sizes) != buffer.numel():
-            raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
-                             f"{sum(sizes)} of {buffer.numel()} elements")
         exchange, held, pass_bytes = two_level_exchange(
             buffer, tuple(map(id, params)), sizes, wire, nodes, group, pre_scale, post_scale, stats, residuals)
         record = BucketRecord(index, wire.name, pass_bytes, len(exchange.stages))
         entry: BucketComm = ShardedComm(buffer, exchange, queue, stats, record, held)
     elif wire.sharded:
-        entry = _bind_sharded(buffer, bucket, index, wire, group, world_size, pre_scale, post_scale,
-                                          stats, residuals, queue)
+        entry = _bind_sharded(buffer, tuple(map(id, params)), sizes, index, wire, group, world_size, pre_scale,
+                              post_scale, stats, residuals, queue)
     else:
         entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for)
-    if grad_stats:  # the parameters whose gradients the bucket's statistics describe, listed once
-        entry.coverage = BucketCoverage(list(bucket.parameters()) if bucket is not None else [], buffer)
+    if grad_stats:  # the parameters whose gradients the bucket's statistics describe
+        entry.coverage = BucketCoverage(params, buffer)
     return entry
 
 
@@ -240,20 +241,16 @@ def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: tor
     return AllReduceComm(buffer, wire_buffer, target, algorithm, stats, record, pack, unpack, dist.ReduceOp.SUM)
 
 
-def _bind_sharded(buffer: torch.Tensor, bucket: Any, index: Optional[int], wire: WireFormat, group: Any,
-                  world_size: int, pre_scale: float, post_scale: float, stats: Optional[torch.Tensor],
-                  store: ResidualStore, queue: ExchangeQueue) -> ShardedComm:
-    """A bucket of a wire format summed in float32: all-to-all, local sum, all-gather (``exchange.py``)."""
+def _bind_sharded(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tuple[int, ...], index: Optional[int],
+                  wire: WireFormat, group: Any, world_size: int, pre_scale: float, post_scale: float,
+                  stats: Optional[torch.Tensor], store: ResidualStore, queue: ExchangeQueue) -> ShardedComm:
+    """A bucket of a wire format summed in float32: all-to-all, local sum, all-gather (``exchange.py``).
+    ``params``/``sizes``: the bucket's parameters (ids) and their element counts (FP8's blocks follow them)."""
     residuals = None
     if wire.block_scaled:
-        params = bucket.parameters() if bucket is not None else []  # once per bucket, at binding
-        sizes = tuple(p.numel() for p in params)
-        if sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow them
-            raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
-                             f"{sum(sizes)} of {buffer.numel()} elements")
         layout = kernels.block_layout(sizes, world_size)
         if wire.error_feedback:
-            residuals = store.for_layout(tuple(map(id, params)), sizes, layout, group, buffer.device)
+            residuals = store.for_layout(params, sizes, layout, group, buffer.device)
         exchange = block_fp8_exchange(buffer, wire, layout, group, world_size, pre_scale, residuals, stats)
     else:
         exchange = float32_sum_exchange(buffer, wire, group, world_size, pre_scale, post_scale, stats)

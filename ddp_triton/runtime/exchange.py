@@ -67,29 +67,33 @@ class StagedExchange:
     stage runs when the bucket is started, the others once the collective before has finished, and ``finish``
     (writing DDP's bucket) on the last collective's completion."""
 
-    def __init__(self, buffer: torch.Tensor, group: Any, stages: Sequence[Stage], finish: Callable[[], None],
+    def __init__(self, buffer: torch.Tensor, stages: Sequence[Stage], finish: Callable[[], None],
                  held: Sequence[torch.Tensor]) -> None:
-        self.buffer, self.group = buffer, group
-        """DDP's bucket buffer, and the group of the first collective."""
+        self.buffer = buffer
+        """DDP's bucket buffer."""
         self.stages, self.finish = tuple(stages), finish
         self.held = tuple(held)
         """The buffers the exchange holds (its memory), the first what its first collective is handed."""
         self.groups_from = [frozenset(id(st.group) for st in self.stages[i:]) for i in range(len(self.stages) + 1)]
         """For each stage index, the groups of that stage and the ones after it."""
 
+    @property
+    def group(self) -> Any:
+        """The group of the first collective."""
+        return self.stages[0].group
+
 
 class ShardedExchange(StagedExchange):
     """All-to-all, a computation on this rank's shard, all-gather: what the formats summed in float32 run."""
 
-    def __init__(self, buffer: torch.Tensor, group: Any, world_size: int, send: torch.Tensor, recv: torch.Tensor,
+    def __init__(self, buffer: torch.Tensor, group: Any, send: torch.Tensor, recv: torch.Tensor,
                  shard: torch.Tensor, prepare: Callable[[], None], reduce: Callable[[], None],
                  finish: Callable[[], None]) -> None:
         stages = (Stage("pack", prepare, "all_to_all",
                         lambda: dist.all_to_all_single(recv, send, group=group, async_op=True), group),
                   Stage("reduce", reduce, "all_gather",
                         lambda: all_gather_into(send, shard, group=group, async_op=True), group))
-        super().__init__(buffer, group, stages, finish, (send, recv, shard))
-        self.world_size = world_size
+        super().__init__(buffer, stages, finish, (send, recv, shard))
         self.send, self.recv, self.shard = send, recv, shard
         self.prepare, self.reduce = prepare, reduce
 
@@ -314,7 +318,7 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
     shard = torch.empty(padded // world_size, dtype=wire.comm_dtype, device=buffer.device)
     pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)  # NaN bits: see bucket.py
     unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats, canonical_nan=False)
-    return ShardedExchange(buffer, group, world_size, send, recv, shard, pack,
+    return ShardedExchange(buffer, group, send, recv, shard, pack,
                            kernels.bind_sum_slices(recv, world_size, shard, canonical_nan=False), unpack)
 
 
@@ -332,4 +336,4 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
     quantize = kernels.bind_quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
     reduce = kernels.bind_reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
     dequantize = kernels.bind_dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats, canonical_nan=False)
-    return ShardedExchange(buffer, group, world_size, send, recv, shard, quantize, reduce, dequantize)
+    return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)

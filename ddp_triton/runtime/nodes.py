@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..log import warn_once
-from .algo_groups import gather_text, group_timeout
+from .algo_groups import collective_device, gather_text, group_timeout
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,7 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any)
 def _reduce_scatter_has_future(group: Any, size: int) -> bool:
     """Whether a reduce-scatter on ``group`` runs and completes a future. Collective over ``group``: one tiny
     reduce-scatter, the same outcome on every rank (the same torch and backend)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)).lower() \
-        else torch.device("cpu")
+    device = collective_device(group)
     out = torch.zeros(1, device=device)
     try:
         work = reduce_scatter_single(out, torch.zeros(size, device=device), group)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS
+from .algo_groups import collective_device
 
 #: Version of the dict ``ResidualStore.state_dict`` returns; a newer one is refused on load.
 STATE_DICT_VERSION = 1
@@ -222,8 +223,7 @@ class ResidualStore:
         mine = self.state_dict(group, settings)
         names = sorted(mine["first_stage"])
         flat = torch.cat([mine["first_stage"][n].view(-1) for n in names]) if names else torch.zeros(0)
-        backend = str(dist.get_backend(group))
-        device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(group)
         world_size = dist.get_world_size(group)
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
         dist.all_gather(sizes, torch.tensor([flat.numel()], device=device), group=group)

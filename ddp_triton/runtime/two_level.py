@@ -88,13 +88,9 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
         def take_part() -> None:
             shard.copy_(mine)
 
-    def gather_node() -> Any:
-        return all_gather_into(send, shard, group=gather_group, async_op=True)
-
     residuals = None
     if not wire.sharded:
-        cross_stages, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale, gather_node,
-                                                                  gather_group, take_part)
+        cross_stages, cross_finish, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale)
     else:
         if wire.block_scaled:
             layout = kernels.block_layout(pieces_within(sizes, start, end), nodes.n_nodes)
@@ -105,17 +101,19 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
                                                         nodes.n_nodes, 1.0, residuals, None)
         else:
             cross = float32_sum_exchange(shard, wire.flat(), cross_group, nodes.n_nodes, 1.0, post_scale, None)
-        cross_stages = [Stage("cross_pack", _in_turn(take_part, cross.prepare), "cross_all_to_all",
-                              cross.stages[0].issue, cross_group),
-                        Stage("cross_reduce", cross.reduce, "cross_all_gather", cross.stages[1].issue, cross_group),
-                        Stage("cross_unpack", cross.finish, "all_gather", gather_node, gather_group)]
-        cross_held, cross_bytes = cross.held, cross.collective_bytes()[0]
-    exchange = StagedExchange(buffer, node_group, [first, *cross_stages], unpack, (send, shard, *cross_held))
+        cross_stages = [stage._replace(compute_phase="cross_" + stage.compute_phase,
+                                       collective_phase="cross_" + stage.collective_phase) for stage in cross.stages]
+        cross_finish, cross_held, cross_bytes = cross.finish, cross.held, cross.collective_bytes()[0]
+    cross_stages[0] = cross_stages[0]._replace(compute=_in_turn(take_part, cross_stages[0].compute))
+    gather = Stage("cross_unpack", cross_finish, "all_gather",
+                   lambda: all_gather_into(send, shard, group=gather_group, async_op=True), gather_group)
+    exchange = StagedExchange(buffer, [first, *cross_stages, gather], unpack, (send, shard, *cross_held))
     node_bytes = send.numel() * send.element_size()
     return exchange, residuals, {wire_name(buffer.dtype) + IN_NODE: node_bytes, wire.flat().name: cross_bytes}
 
 
 def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    """``first`` then ``then``, as one call (``then`` alone where ``first`` does nothing)."""
     if first is _nothing:
         return then
 
@@ -126,17 +124,14 @@ def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[]
     return both
 
 
-def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, post_scale: float,
-                      gather_node: Callable[[], Any], gather_group: Any, take_part: Callable[[], None]
-                      ) -> Tuple[List[Stage], Tuple[torch.Tensor, ...], int]:
-    """The cross exchange as one all-reduce of the part in the comm dtype (summed in it, as NCCL adds)."""
+def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, post_scale: float
+                      ) -> Tuple[List[Stage], Callable[[], None], Tuple[torch.Tensor, ...], int]:
+    """The cross exchange as one all-reduce of the part in the comm dtype (summed in it, as NCCL adds): its stage,
+    the computation after it, the buffers it holds and the bytes it hands the all-reduce."""
     in_place = wire.comm_dtype == shard.dtype
     on_wire = shard if in_place else torch.empty(shard.numel(), dtype=wire.comm_dtype, device=shard.device)
-    cross_pack = _in_turn(take_part, _nothing if in_place else
-                          kernels.bind_pack([shard], on_wire, 1.0, canonical_nan=False))
+    cross_pack = _nothing if in_place else kernels.bind_pack([shard], on_wire, 1.0, canonical_nan=False)
+    stage = Stage("cross_pack", cross_pack, "cross_all_reduce",
+                  lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True), cross_group)
     cross_unpack = kernels.bind_unpack(on_wire, [shard], post_scale, canonical_nan=False)
-    stages = [Stage("cross_pack", cross_pack, "cross_all_reduce",
-                    lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True), cross_group),
-              Stage("cross_unpack", cross_unpack, "all_gather", gather_node, gather_group)]
-    held = () if in_place else (on_wire,)
-    return stages, held, on_wire.numel() * on_wire.element_size()
+    return [stage], cross_unpack, (() if in_place else (on_wire,)), on_wire.numel() * on_wire.element_size()

@@ -38,7 +38,7 @@ class Recorder:
             return run
 
         stages = [Stage(f"compute {i}", compute(i), f"collective {i}", issue(i, g), g) for i, g in enumerate(groups)]
-        return StagedExchange(torch.zeros(1), groups[0], stages, lambda: None, ())
+        return StagedExchange(torch.zeros(1), stages, lambda: None, ())
 
     def complete(self, bucket, stage):
         self.works[(bucket, stage)].future.set_result(None)

@@ -332,3 +332,17 @@ def _disagreement_worker(rank, world_size):
 
 def test_ranks_that_disagree_on_the_wire_format_fail_together():
     torch_path_workers(_disagreement_worker, 2)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-level"])
+def test_an_fp8_bucket_without_its_parameters_is_refused_before_anything_binds(hierarchical):
+    from ddp_triton.runtime.bucket import bind_bucket
+    from ddp_triton.runtime.exchange import ExchangeQueue
+    from ddp_triton.runtime.residuals import ResidualStore
+
+    store = ResidualStore()
+    with pytest.raises(ValueError, match="needs the bucket's parameters, got 0 covering 0 of 10 elements"):
+        bind_bucket(torch.zeros(10), None, wire=resolve_wire_format(torch.float8_e4m3fn, hierarchical=hierarchical),
+                    group=None, world_size=2, backend="gloo", pre_scale=0.5, post_scale=1.0, grad_stats=False,
+                    group_for=None, residuals=store, queue=ExchangeQueue())
+    assert not store.layouts
