@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import selectors
 import shutil
 import signal
@@ -325,20 +326,23 @@ def test_nothing_left_behind(unchanged, case):
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_nothing_left_behind_when_interrupted(unchanged, sig, status, tmp_path):
     """Ctrl-C (or a kill) while the ranks run: they are stopped, the network removed, the exit status says why."""
+    # The probes sleep well past the wait below, so a job that ended on its own cannot pass for one stopped.
     proc = subprocess.Popen([sys.executable, "-m", "bench.cluster", "--nodes", "2", "--link", "1gbit", "--launcher",
-                             "env", "--log-dir", str(tmp_path), "--", sys.executable, PROBE, "sleep"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen, deadline = "", time.monotonic() + 60
+                             "env", "--log-dir", str(tmp_path), "--", sys.executable, PROBE, "sleep", "--seconds",
+                             "300"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen, deadline = b"", time.monotonic() + 60
     try:
+        # Raw reads of the pipe: a buffered readline can take both lines in one read and leave select waiting for
+        # bytes that already arrived.
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
-            while seen.count("PROBE ") < 2 and time.monotonic() < deadline:
+            while (seen.count(b"PROBE ") < 2 or not seen.endswith(b"\n")) and time.monotonic() < deadline:
                 if sel.select(timeout=1):
-                    line = proc.stdout.readline()
-                    if not line:
+                    chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                    if not chunk:
                         break
-                    seen += line
-        assert seen.count("PROBE ") == 2, seen
+                    seen += chunk
+        assert seen.count(b"PROBE ") == 2, seen
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -346,7 +350,7 @@ def test_nothing_left_behind_when_interrupted(unchanged, sig, status, tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == status, err
-    assert all(gone(p["pid"]) for p in probes(seen))
+    assert all(gone(p["pid"]) for p in probes(seen.decode()))
 
 
 @pytest.mark.netem
