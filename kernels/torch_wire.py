@@ -7,12 +7,15 @@ scale, add the residual, choose the block's power-of-two scale, round, and sum t
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import native_cpu
 from .blocks import BlockLayout
-from .fp8 import BLOCK_ELEMENTS, MAX_EXPONENT, MIN_EXPONENT, NAN_CODE, ROW_BYTES, ROW_WORDS, Fp8Format
+from .fp8 import BLOCK_ELEMENTS, E4M3, E5M2, MAX_EXPONENT, MIN_EXPONENT, NAN_CODE, ROW_BYTES, ROW_WORDS, Fp8Format
 from .torch_path import _accumulate_stats, _converter
 
 
@@ -135,6 +138,14 @@ def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Ten
                          residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. Bound: on an
     aligned layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
+    passes = _native(fmt)
+    if passes is not None and _aligned(layout):
+        return _native_quantize(passes, src, layout, rows, scale, residual)
+    return _torch_quantize(src, layout, rows, scale, fmt, residual)
+
+
+def _torch_quantize(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
+                    residual: Optional[torch.Tensor]) -> Callable[[], None]:
     if not _aligned(layout):
         return lambda: quantize_blocks_scattered(src, layout, rows, scale, fmt, residual)
     device, chunk_rows = src.device, min(CHUNK_ROWS, layout.n_rows)
@@ -194,6 +205,14 @@ def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Ten
                        residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """out_rows <- the requantized sum, in float32 and rank order, of the ranks' copies of this shard's rows (+ the
     residual); residual <- what the rounding left out. Bound: a call allocates nothing."""
+    passes = _native(fmt)
+    if passes is not None:
+        return _native_reduce(passes, received, n_ranks, out_rows, residual)
+    return _torch_reduce(received, n_ranks, out_rows, fmt, residual)
+
+
+def _torch_reduce(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
+                  residual: Optional[torch.Tensor]) -> Callable[[], None]:
     codes, scales = _split_rows(received)
     per_rank = codes.shape[0] // n_ranks
     out_codes, out_scales = _split_rows(out_rows)
@@ -227,6 +246,14 @@ def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.T
                            stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical unless told not to); optional
     [sum of squares, non-finite count]. Bound: on an aligned layout a call allocates nothing."""
+    passes = _native(fmt)
+    if passes is not None and _aligned(layout):
+        return _native_dequantize(passes, rows, layout, dst, stats, canonical_nan)
+    return _torch_dequantize(rows, layout, dst, fmt, stats, canonical_nan)
+
+
+def _torch_dequantize(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
+                      stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
     codes, scales = _split_rows(rows)
     if not _aligned(layout):
         def scattered() -> None:
@@ -281,6 +308,142 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
             store()
 
     return run
+
+
+# ---- the compiled passes (native_cpu): one sweep per pass, checked against the torch passes on first use --------
+
+
+def _native(fmt: Fp8Format) -> Optional[native_cpu.Fp8Passes]:
+    """The compiled passes of ``fmt`` where they are enabled, built and give the torch passes' bits; else None."""
+    if not native_cpu.enabled():
+        return None
+    return _checked_native(fmt.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_native(dtype: torch.dtype) -> Optional[native_cpu.Fp8Passes]:
+    library = native_cpu.library()
+    if library is None:
+        return None
+    fmt = E4M3 if dtype == torch.float8_e4m3fn else E5M2
+    passes = library["e4m3" if fmt is E4M3 else "e5m2"]
+    problem = _disagreement(passes, fmt)
+    if problem is not None:
+        warnings.warn(f"ddp_triton: the compiled CPU FP8 passes differ from the torch passes ({problem}) and are "
+                      "not used; CPU tensors take the plain-torch FP8 path", RuntimeWarning, stacklevel=3)
+        return None
+    return passes
+
+
+def _self_check_values(n: int, seed: int) -> torch.Tensor:
+    """Values over float32's whole range: magnitudes from 2^-149 to 2^120 block by block, exact zeros and -0, and
+    from five blocks on, a block of ties at FP8 precision, one holding an infinity and one a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=gen)
+    exponents = torch.randint(-149, 120, (-(-n // BLOCK_ELEMENTS),), generator=gen).repeat_interleave(BLOCK_ELEMENTS)
+    values = values * torch.pow(2.0, exponents[:n].double()).float()
+    values[1:BLOCK_ELEMENTS:7] = 0.0
+    values[2:BLOCK_ELEMENTS:11] = -0.0
+    ties = torch.arange(BLOCK_ELEMENTS, dtype=torch.float32)
+    halfway = torch.where(ties % 2 == 0, (2 * (ties % 8) + 1) / 16.0, (2 * (ties % 4) + 1) / 8.0)  # E4M3's, E5M2's
+    if n >= 5 * BLOCK_ELEMENTS:
+        values[BLOCK_ELEMENTS:2 * BLOCK_ELEMENTS] = (1.0 + halfway) * torch.where(ties % 3 == 0, -1.0, 1.0)
+        values[3 * BLOCK_ELEMENTS + 5] = float("inf")
+        values[4 * BLOCK_ELEMENTS + 9] = float("nan")
+    return values
+
+
+def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]:
+    """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
+    error feedback, a reduce over three ranks, dequantize with canonical NaNs), or None."""
+    from .blocks import block_layout
+
+    n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks: room for every kind of block
+    layout = block_layout([n], ranks)
+    src = _self_check_values(n, seed=1)
+    results = []
+    for native in (True, False):
+        residual = _self_check_values(n, seed=2) * 2.0**-10
+        rows = torch.zeros(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+        if native:
+            _native_quantize(passes, src, layout, rows, 0.5, residual)()
+        else:
+            _torch_quantize(src, layout, rows, 0.5, fmt, residual)()
+        received = torch.cat([rows[: layout.rows_per_shard * ROW_BYTES]] * ranks)
+        out = torch.zeros(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
+        shard_residual = _self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=3) * 2.0**-12
+        dst = torch.empty(n)
+        if native:
+            _native_reduce(passes, received, ranks, out, shard_residual)()
+            _native_dequantize(passes, rows, layout, dst, None, True)()
+        else:
+            _torch_reduce(received, ranks, out, fmt, shard_residual)()
+            _torch_dequantize(rows, layout, dst, fmt, None, True)()
+        results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
+                        "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32)})
+    for what, got in results[0].items():
+        if not torch.equal(got, results[1][what]):
+            return f"{fmt.dtype}: the {what}"
+    return None
+
+
+def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
+                     scale: float, residual: Optional[torch.Tensor]) -> Callable[[], None]:
+    """The compiled quantize of an aligned layout: one call for a float32 bucket; a 16-bit one is widened chunk by
+    chunk into a float32 scratch buffer that stays in cache (the kernel widens, then multiplies)."""
+    apply_scale = int(scale != 1.0)
+    residual_at = residual.data_ptr() if residual is not None else None
+    if src.dtype == torch.float32:
+        arguments = (src.data_ptr(), layout.n_elements, layout.n_rows, scale, apply_scale, residual_at,
+                     rows.data_ptr())
+        return lambda: passes.quantize(*arguments)
+    chunk_rows = min(CHUNK_ROWS, layout.n_rows)
+    wide = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
+    steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e1 - e0, r1 - r0, scale, apply_scale,
+                                            None if residual is None else residual_at + 4 * e0,
+                                            rows.data_ptr() + ROW_BYTES * r0))
+             for r0, r1, e0, e1 in _row_chunks(layout.n_rows, layout.n_elements)]
+
+    def run() -> None:
+        for part, widened, arguments in steps:
+            widened.copy_(part)
+            passes.quantize(*arguments)
+
+    return run
+
+
+def _native_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
+                   residual: Optional[torch.Tensor]) -> Callable[[], None]:
+    arguments = (received.data_ptr(), out_rows.numel() // ROW_BYTES, n_ranks,
+                 residual.data_ptr() if residual is not None else None, out_rows.data_ptr())
+    return lambda: passes.reduce(*arguments)
+
+
+def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
+                       stats: Optional[torch.Tensor], canonical_nan: bool) -> Callable[[], None]:
+    """The compiled dequantize of an aligned layout: straight into a float32 bucket; into a 16-bit one through a
+    float32 scratch buffer, chunk by chunk, rounded once by torch's conversion."""
+    if dst.dtype == torch.float32:
+        arguments = (rows.data_ptr(), layout.n_elements, dst.data_ptr(), int(canonical_nan))
+
+        def direct() -> None:
+            passes.dequantize(*arguments)
+            _finish_stats(stats, dst)
+
+        return direct
+    chunk_rows = min(CHUNK_ROWS, layout.n_rows)
+    values = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
+    steps = [((rows.data_ptr() + ROW_BYTES * r0, e1 - e0, values.data_ptr(), 0),
+              _converter(dst[e0:e1], values[: e1 - e0], 1.0, canonical_nan))
+             for r0, r1, e0, e1 in _row_chunks(layout.n_blocks, layout.n_elements)]
+
+    def through_scratch() -> None:
+        for arguments, store in steps:
+            passes.dequantize(*arguments)
+            store()
+        _finish_stats(stats, dst)
+
+    return through_scratch
 
 
 # ---- plain calls: the bound form, made and run once -------------------------------------------------------------

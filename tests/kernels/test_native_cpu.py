@@ -1,0 +1,186 @@
+"""The compiled CPU FP8 passes (``kernels/fp8_cpu.c`` through ``kernels.native_cpu``) against the torch passes.
+
+Tier: no device, no Triton. The compiled passes serve CPU tensors wherever a C compiler builds them; the torch passes
+(``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format, bucket dtype, scale,
+residual and layout (test_wire_kernels.py compares the torch_wire functions, compiled where they build, with the
+Triton kernels in the interpreter). The build must never load or write through a file it does not own, and must
+fall back, with a warning, where no compiler or a wrong library is found.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from bits import assert_same_bits
+from ddp_triton.kernels import fp8, native_cpu, torch_wire
+from ddp_triton.kernels.blocks import block_layout
+
+FORMATS = [pytest.param(fp8.E4M3, id="e4m3"), pytest.param(fp8.E5M2, id="e5m2")]
+
+
+@pytest.fixture
+def compiled():
+    """The compiled passes as every bind sees them; skips where this machine cannot build them."""
+    if native_cpu.library() is None:
+        pytest.skip("no C compiler builds kernels/fp8_cpu.c here")
+    return True
+
+
+def run_all(monkeypatch, native, fmt, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype,
+            stats):
+    """Quantize, reduce and dequantize (with stats) through the public torch_wire binders, compiled or torch."""
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+    residual = None if residual is None else residual.clone()
+    shard_residual = None if shard_residual is None else shard_residual.clone()
+    rows = torch.full((layout.n_rows * fp8.ROW_BYTES,), 0xAB, dtype=torch.uint8)
+    torch_wire.bind_quantize_blocks(src, layout, rows, scale, fmt, residual)()
+    out = torch.full((layout.rows_per_shard * fp8.ROW_BYTES,), 0xCD, dtype=torch.uint8)
+    torch_wire.bind_reduce_blocks(received, ranks, out, fmt, shard_residual)()
+    dst = torch.empty(layout.n_elements, dtype=dst_dtype)
+    got_stats = torch.full((2,), 7.0) if stats else None
+    torch_wire.bind_dequantize_blocks(rows, layout, dst, fmt, got_stats)()
+    return rows, residual, out, shard_residual, dst, got_stats
+
+
+def values(n, seed):
+    return torch_wire._self_check_values(n, seed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("scale, with_residual", [(0.25, True), (1.0, True), (0.125, False), (1.0, False)],
+                         ids=["scaled+ef", "ef", "scaled", "plain"])
+@pytest.mark.parametrize("sizes", [pytest.param([128 * 40], id="whole-blocks"),
+                                   pytest.param([128 * 3, 128 * torch_wire.CHUNK_ROWS + 77], id="two-steps-tail"),
+                                   pytest.param([5], id="one-short-block")])
+def test_compiled_passes_give_the_torch_passes_bits(compiled, monkeypatch, fmt, src_dtype, scale, with_residual,
+                                                    sizes):
+    ranks = 3
+    layout = block_layout(sizes, ranks)
+    n = layout.n_elements
+    src = values(n, seed=11).to(src_dtype)
+    residual = values(n, seed=12) * 2.0**-10 if with_residual else None
+    shard = layout.rows_per_shard * fp8.ROW_BYTES
+    copies = []
+    for r in range(ranks):
+        copy = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+        torch_wire._torch_quantize(values(n, seed=20 + r), layout, copy, 1.0, fmt, None)()
+        copies.append(copy[shard:2 * shard])
+    received = torch.cat(copies)
+    shard_residual = values(layout.rows_per_shard * 128, seed=30) * 2.0**-12 if with_residual else None
+    dst_dtype = {torch.float32: torch.float32, torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}[src_dtype]
+    got = run_all(monkeypatch, True, fmt, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype,
+                  stats=True)
+    want = run_all(monkeypatch, False, fmt, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype,
+                   stats=True)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        elif w.dtype == torch.uint8:
+            assert torch.equal(g, w)
+        else:
+            assert_same_bits(g, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_dequantize_keeps_or_canonicalises_nans_as_asked(compiled, monkeypatch, fmt):
+    """A non-finite block arrives as NaN codes: canonical NaNs by default; without, the NaN the kernel decodes."""
+    layout = block_layout([300], 1)
+    src = torch.randn(300)
+    src[130] = float("-inf")
+    rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    torch_wire.bind_quantize_blocks(src, layout, rows, 1.0, fmt, None)()
+    rows[fp8.ROW_BYTES + 3] = 0xFF  # a negative NaN code in the non-finite block
+    for canonical in (True, False):
+        dst = {}
+        for native in (True, False):
+            monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+            dst[native] = torch.empty(300)
+            torch_wire.bind_dequantize_blocks(rows, layout, dst[native], fmt, None, canonical)()
+        if canonical:
+            assert_same_bits(dst[True], dst[False])
+        else:  # the kernel's decoded NaN, sign kept (torch's own E5M2 decode keeps a payload bit: NaNs only agree)
+            got = dst[True].view(torch.int32)
+            assert torch.equal(torch.isnan(dst[True]), torch.isnan(dst[False]))
+            assert torch.equal(got[:128], dst[False].view(torch.int32)[:128])
+            assert ((got[128:256] & 0x7FFFFFFF) == 0x7FC00000).all()
+            assert int(got[128 + 3]) < 0 and (got[128:256] < 0).sum() == 1  # only the negative code's NaN is
+        assert torch.isnan(dst[True][128:256]).all() and torch.isfinite(dst[True][:128]).all()
+
+
+def test_off_switch_keeps_the_torch_passes(monkeypatch):
+    """DDP_TRITON_NATIVE_CPU=0: no bind asks for the library."""
+    def refuse():
+        raise AssertionError("the library was asked for")
+
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    monkeypatch.setattr(native_cpu, "library", refuse)
+    layout = block_layout([256], 2)
+    rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    torch_wire.bind_quantize_blocks(torch.randn(256), layout, rows, 0.5, fp8.E4M3, torch.zeros(256))()
+    torch_wire.bind_dequantize_blocks(rows, layout, torch.empty(256), fp8.E4M3, None)()
+
+
+@pytest.mark.parametrize("broken", ["quantize", "reduce", "dequantize"])
+def test_a_library_with_other_bits_is_refused(compiled, broken):
+    """The first-use check compares every pass with the torch passes: a pass that writes other bits (here, one that
+    does nothing) is named, so the binders keep the torch passes."""
+    passes = native_cpu.library()["e4m3"]
+    fields = {name: getattr(passes, name) for name in ("quantize", "reduce", "dequantize")}
+    fields[broken] = lambda *arguments: None
+    assert torch_wire._disagreement(native_cpu.Fp8Passes(**fields), fp8.E4M3) is not None
+    assert torch_wire._disagreement(passes, fp8.E4M3) is None
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A build from nothing: an empty cache folder of this test's and the library cache cleared before and after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    native_cpu.library.cache_clear()
+    yield tmp_path / "cache" / "ddp-triton" / "native"
+    native_cpu.library.cache_clear()
+
+
+def test_no_compiler_warns_once_and_leaves_the_torch_passes(monkeypatch, fresh_build, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert native_cpu.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_cpu.library() is None  # cached: no second warning
+
+
+def test_a_failing_compiler_is_reported_with_its_message(monkeypatch, fresh_build, tmp_path):
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\necho 'fake-cc: cannot build' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(RuntimeWarning, match="fake-cc: cannot build"):
+        assert native_cpu.library() is None
+    assert not [p for p in fresh_build.iterdir()]  # no partial file left behind
+
+
+def test_the_build_never_writes_through_or_loads_a_planted_link(compiled, fresh_build, tmp_path):
+    """A link at the library's cached path (to a file of somebody's) is replaced by a fresh build, the linked file
+    untouched; a cache folder others may write to is not used at all."""
+    assert native_cpu.library() is not None
+    (built,) = list(fresh_build.glob("fp8_cpu-*.so"))
+    victim = tmp_path / "victim.so"
+    victim.write_bytes(b"not a library")
+    built.unlink()
+    built.symlink_to(victim)
+    native_cpu.library.cache_clear()
+    assert native_cpu.library() is not None
+    assert victim.read_bytes() == b"not a library"
+    assert built.is_file() and not built.is_symlink()
+
+    native_cpu.library.cache_clear()
+    os.chmod(fresh_build, 0o777)
+    for old in fresh_build.iterdir():
+        old.unlink()
+    assert native_cpu.library() is not None
+    assert not list(fresh_build.iterdir())  # built in a private temporary folder instead
