@@ -22,7 +22,9 @@ on one thread, bound as the exchanges bind it. What one rank does per step and b
 run: FP8 E4M3 with error feedback (quantize the bucket, reduce its shard over N ranks' copies, dequantize the
 all-gathered bucket into float32 gradients) against bfloat16 (pack the bucket at scale 1/N, unpack it), and bf16
 with float32 sums (pack, sum of slices, unpack). ``fp8_over_bf16_cpu`` is FP8's nanoseconds per element over
-bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for.
+bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for. The FP8 passes
+are the compiled ones (``kernels/native_cpu.py``) where they build, else torch's (``fp8_cpu_path`` says which;
+``DDP_TRITON_NATIVE_CPU=0`` times torch's).
 """
 
 from __future__ import annotations
@@ -115,7 +117,12 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     bf16 = ns["bf16 pack"] + ns["bf16 unpack"]
     fp8 = ns["fp8 quantize +ef"] + ns[f"fp8 reduce x{ranks} +ef"] + ns["fp8 dequantize"]
     sums = bf16 + ns[f"bf16 sum of slices x{ranks}"]
-    return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(), "ns_per_element": ns,
+    from ddp_triton.kernels import torch_wire
+    from ddp_triton.kernels.fp8 import E4M3
+
+    path = "compiled" if torch_wire._native(E4M3) is not None else "torch"
+    return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(), "fp8_cpu_path": path,
+            "ns_per_element": ns,
             "bf16_ns": bf16, "bf16_fp32sum_ns": sums, "fp8_ns": fp8, "fp8_over_bf16_cpu": fp8 / bf16,
             "bf16_fp32sum_over_bf16_cpu": sums / bf16}
 
@@ -136,8 +143,8 @@ def main_cpu(args: argparse.Namespace) -> int:
     print(f"{result['env']}; {result['elements']} elements ({args.mb:g} MiB float32), {args.ranks} ranks, one thread")
     print(format_table(["pass", "ns per bucket element"], [[k, v] for k, v in result["ns_per_element"].items()]))
     print(f"bf16 (pack + unpack) {result['bf16_ns']:.2f} ns, bf16 + fp32 sums {result['bf16_fp32sum_ns']:.2f}, "
-          f"FP8 + ef (quantize + reduce + dequantize) {result['fp8_ns']:.2f}: fp8_over_bf16_cpu "
-          f"{result['fp8_over_bf16_cpu']:.2f}")
+          f"FP8 + ef (quantize + reduce + dequantize, {result['fp8_cpu_path']} passes) {result['fp8_ns']:.2f}: "
+          f"fp8_over_bf16_cpu {result['fp8_over_bf16_cpu']:.2f}")
     return 0
 
 
