@@ -117,11 +117,10 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     bf16 = ns["bf16 pack"] + ns["bf16 unpack"]
     fp8 = ns["fp8 quantize +ef"] + ns[f"fp8 reduce x{ranks} +ef"] + ns["fp8 dequantize"]
     sums = bf16 + ns[f"bf16 sum of slices x{ranks}"]
-    from ddp_triton.kernels import torch_wire
-    from ddp_triton.kernels.fp8 import E4M3
+    from ddp_triton.kernels.torch_wire import cpu_fp8_passes
 
-    path = "compiled" if torch_wire._native(E4M3) is not None else "torch"
-    return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(), "fp8_cpu_path": path,
+    return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(),
+            "fp8_cpu_path": cpu_fp8_passes(),
             "ns_per_element": ns,
             "bf16_ns": bf16, "bf16_fp32sum_ns": sums, "fp8_ns": fp8, "fp8_over_bf16_cpu": fp8 / bf16,
             "bf16_fp32sum_over_bf16_cpu": sums / bf16}

@@ -27,7 +27,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 #: Set to 0 to keep CPU tensors on the plain-torch FP8 path.
 ENV_SWITCH = "DDP_TRITON_NATIVE_CPU"
@@ -119,13 +119,14 @@ def _compiler_version(compiler: str) -> str:
         raise _BuildError(f"{compiler} --version failed: {exc}") from exc
 
 
-def _private_folder(path: Path) -> bool:
-    """A real folder (not a link) of this user's that nobody else may write to."""
+def _private(path: Path, kind: Callable[[int], bool]) -> bool:
+    """``path`` is of this kind (``stat.S_ISDIR``, ``stat.S_ISREG``; never a link), this user's, and nobody else
+    may write to it: safe to build into, and to load."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    return kind(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _cache_folder() -> Path:
@@ -134,18 +135,9 @@ def _cache_folder() -> Path:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         pass
-    if _private_folder(base):
+    if _private(base, stat.S_ISDIR):
         return base
     return Path(tempfile.mkdtemp(prefix="ddp-triton-native-"))
-
-
-def _usable(path: Path) -> bool:
-    """A regular file (not a link) of this user's that nobody else may write to: safe to load."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _built_library() -> Path:
@@ -159,7 +151,7 @@ def _built_library() -> Path:
                                      _machine_text().encode()])).hexdigest()[:20]
     folder = _cache_folder()
     target = folder / f"fp8_cpu-{key}.so"
-    if _usable(target):
+    if _private(target, stat.S_ISREG):
         return target
     errors: List[str] = []
     for extra in (NATIVE_FLAGS, []):

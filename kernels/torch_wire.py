@@ -313,6 +313,11 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
 # ---- the compiled passes (native_cpu): one sweep per pass, checked against the torch passes on first use --------
 
 
+def cpu_fp8_passes(fmt: Fp8Format = E4M3) -> str:
+    """Which FP8 passes a bind on CPU tensors takes now: "compiled" (``fp8_cpu.c``) or "torch"."""
+    return "compiled" if _native(fmt) is not None else "torch"
+
+
 def _native(fmt: Fp8Format) -> Optional[native_cpu.Fp8Passes]:
     """The compiled passes of ``fmt`` where they are enabled, built and give the torch passes' bits; else None."""
     if not native_cpu.enabled():

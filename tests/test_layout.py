@@ -109,6 +109,28 @@ def test_bench_imports_public_names_only():
     assert private == []
 
 
+def test_bench_reads_no_private_attribute_of_ddp_triton():
+    """Nor through a module it imported: ``torch_wire._native`` is as private as ``from ... import _native``. The
+    one exception compiles the Triton kernels themselves for sm_90 and reads their launch settings."""
+    reads_kernel_internals = {"bench/codegen_wire.py"}
+    private = []
+    for path in sorted((REPO / "bench").rglob("*.py")):
+        if str(path.relative_to(REPO)) in reads_kernel_internals:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        bound = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_triton"):
+                bound |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                bound |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("ddp_triton")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                private.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert private == []
+
+
 @pytest.fixture(scope="module")
 def bench_graph():
     """The import graph of bench/ as the checkout has it (bench/ is not installed)."""

@@ -121,6 +121,7 @@ def test_off_switch_keeps_the_torch_passes(monkeypatch):
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
     torch_wire.bind_quantize_blocks(torch.randn(256), layout, rows, 0.5, fp8.E4M3, torch.zeros(256))()
     torch_wire.bind_dequantize_blocks(rows, layout, torch.empty(256), fp8.E4M3, None)()
+    assert torch_wire.cpu_fp8_passes() == "torch"
 
 
 @pytest.mark.parametrize("broken", ["quantize", "reduce", "dequantize"])
@@ -132,6 +133,7 @@ def test_a_library_with_other_bits_is_refused(compiled, broken):
     fields[broken] = lambda *arguments: None
     assert torch_wire._disagreement(native_cpu.Fp8Passes(**fields), fp8.E4M3) is not None
     assert torch_wire._disagreement(passes, fp8.E4M3) is None
+    assert torch_wire.cpu_fp8_passes() == "compiled"
 
 
 @pytest.fixture
