@@ -33,8 +33,8 @@ from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, LL_MAX_BUSBW_MULTI_NODE, LL_M
                    TREE_FACTOR, TREE_LL128_FACTOR_MULTI_NODE, TREE_LL128_FACTOR_ONE_NODE, TREE_LL_FACTOR,
                    comm_channels, graph_channels, nccl_protocol, nccl_protocol_time_us, nvls_chunk_bytes)
 from .nccl import _latency_us, _log2i  # noqa: F401 (NCCL's latency and log2i, which the tests check by hand)
-from .ramp import (AMPERE_NVLINK_STEP_US, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best, estimate, nccl_choice,
-                   protocol_time_us, ring_windows, sweep)
+from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best,
+                   estimate, nccl_choice, protocol_time_us, ring_windows, sweep)
 from .wire import (FP8_BLOCK, FP8_BLOCK_BYTES, WIRE_FORMAT_ALIASES, WIRE_FORMATS, all_gather_time_us,
                    all_to_all_time_us, canonical_wire_format, two_level_node_bytes, two_level_part, two_level_time_us,
                    wire_bytes, wire_collectives, wire_format_time_us)
@@ -52,8 +52,8 @@ __all__ = [
     "TREE_LL128_FACTOR_MULTI_NODE", "TREE_LL128_FACTOR_ONE_NODE", "TREE_LL_FACTOR", "comm_channels",
     "graph_channels", "nccl_protocol", "nccl_protocol_time_us", "nvls_chunk_bytes",
     # the ramp (ramp.py)
-    "AMPERE_NVLINK_STEP_US", "NET_CHUNK_OVERHEAD_US", "NVLS_CHUNK_SYNC_US", "best", "estimate", "nccl_choice",
-    "protocol_time_us", "ring_windows", "sweep",
+    "AMPERE_NVLINK_STEP_US", "AMPERE_RING_LL_FACTOR", "NET_CHUNK_OVERHEAD_US", "NVLS_CHUNK_SYNC_US", "best",
+    "estimate", "nccl_choice", "protocol_time_us", "ring_windows", "sweep",
     # calibration (calibration.py, fit.py)
     "AlgorithmCalibration", "Calibration", "fit_algorithm", "fit_calibration",
     # wire formats (wire.py)

@@ -9,7 +9,8 @@ messages, for reasons its own code shows; this module charges them:
    be slower than another protocol would have been.
 2. **Per-protocol latencies, per step.** NCCL's base and per-hop latencies (``nccl.BASE_LATENCY_US``,
    ``nccl.HW_LATENCY_US``), with one correction measured in public sweeps: Ampere NVLink steps cost
-   ``AMPERE_NVLINK_STEP_US`` more.
+   ``AMPERE_NVLINK_STEP_US`` more (LL a fraction of it, ``_step_extra_us``), and ring LL on Ampere moves
+   ``AMPERE_RING_LL_FACTOR`` of the links, not NCCL 2.21+'s 0.5.
 3. **Channels per size, bandwidth per channel.** Below ``channels x threads x threshold`` bytes NCCL drops channels
    (enqueue.cc), and each channel moves its share at a channel's bandwidth (NCCL's per-channel caps are in
    ``nccl.PER_CHANNEL_MAX_GBPS``): the bandwidth term cannot fall below one channel's minimum share.
@@ -32,20 +33,28 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from ...dtypes import dtype_size, normalize_dtype
 from .calibration import AlgorithmCalibration
-from .fabric import (Estimate, Fabric, _LL128, _SIMPLE, algbw_gbps, algorithm_unavailable_reason,
+from .fabric import (Estimate, Fabric, _LL, _LL128, _SIMPLE, algbw_gbps, algorithm_unavailable_reason,
                      available_algorithms, busbw_factor)
-from .nccl import (NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, NVLS_CHUNK_BYTES, RING_CHUNK_BYTES, _bus_and_ratio,
-                   _latency_parts, _plateau, _protocol_runs, channel_min_bytes, checked_protocol, comm_channels,
-                   inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels, nvls_chunk_bytes,
-                   protocol_algbw_gbps, untimed_us)
+from .nccl import (HW_LATENCY_US, NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, NVLS_CHUNK_BYTES, RING_CHUNK_BYTES,
+                   _bus_and_ratio, _latency_parts, _plateau, _protocol_runs, channel_min_bytes, checked_protocol,
+                   comm_channels, inter_gbps_nccl, nccl_protocol, nccl_protocol_time_us, nvls_channels,
+                   nvls_chunk_bytes, protocol_algbw_gbps, untimed_us)
 
-#: Extra latency per intra-node ring or tree step on Ampere NVLink, every protocol, microseconds. Both published
-#: 8 x A100 sweeps are 1.4 to 1.8x slower than NCCL's estimate from 1 to 32 MiB (bench/published/
+#: Extra latency per intra-node ring or tree step on Ampere NVLink, LL128 and Simple, microseconds. Both published
+#: 8 x A100 sweeps are 1.4 to 1.8x slower than NCCL's estimate from 2 to 32 MiB (bench/published/
 #: nccl_allreduce_published.md, A.4: 1a OCI BM.GPU4.8, 1b NCCL 2.29.3), where the H100 sweeps match it; the
-#: difference is a near constant time per size, i.e. per step. A plausible cause, not measured: NCCL reads rather
-#: than writes over NVLink on SM80 only (P2P read, ``ncclTopoCheckP2p`` in src/graph/paths.cc). 4.0 us is fitted to
-#: the 1a sweep (1 MiB to 8 GiB, least squares on log-time) and checked against 1b.
+#: difference is a near constant time per size, i.e. per step. A plausible cause for Simple, not measured: NCCL reads
+#: rather than writes over NVLink on SM80 only (P2P read, ``ncclTopoCheckP2p`` in src/graph/paths.cc), and only for
+#: the Simple buffer (src/transport/p2p.cc, ``info->read && p == NCCL_PROTO_SIMPLE``). 4.0 us is fitted to the 1a
+#: sweep (1 MiB to 8 GiB, least squares on log-time) and checked against 1b. LL pays a fraction (``_step_extra_us``).
 AMPERE_NVLINK_STEP_US = 4.0
+#: Ring LL all-reduce on Ampere moves this fraction of the ring's bus bandwidth (capped at NCCL's llMaxBws, 87.7 GB/s
+#: on one node). NCCL 2.7.3 to 2.20.5 modelled it so for every GPU (src/graph/tuning.cc, ``busBw * 1.0/4.0`` for
+#: all-reduce: 60 GB/s on 8 x A100); 2.21.5 changed it to 0.5 together with Hopper's llMaxBws (87.7 -> 141), so on
+#: A100 NCCL's estimate now sits at the Ampere cap, which the old factor never reached. The published A100 sweep
+#: agrees with the old figure: 1a's LL sizes add time at 44 to 52 GB/s busbw (256 KiB to 2 MiB). NCCL still picks
+#: its protocol by its own estimate (``nccl.py``); only the time of ring LL uses this.
+AMPERE_RING_LL_FACTOR = 0.25
 #: Synchronisation per NVLS chunk per channel, microseconds. The H100 NVLS sweep (together-nccl-tests,
 #: benchmarks/H100/results/20260306_001221_slurm/all_reduce_nvls.out) jumps from 249 to 267 GB/s algbw between
 #: 512 MiB and 1 GiB, exactly where NCCL's chunk grows from 64 to 128 KiB (calcCollChunking): with 16 channels at
@@ -95,8 +104,18 @@ def _intra_steps(f: Fabric, algorithm: str) -> int:
     return 0
 
 
-def _step_extra_us(f: Fabric) -> float:
-    return AMPERE_NVLINK_STEP_US if (f.arch == "ampere" and f.intra_link == "nvlink") else 0.0
+def _step_extra_us(f: Fabric, algorithm: str, p: int) -> float:
+    """What an intra-node step on Ampere NVLink costs beyond NCCL's per-hop latency. LL pays
+    ``AMPERE_NVLINK_STEP_US`` scaled by NCCL's own NVLink hop latency of LL against LL128 (tuning.cc hwLatencies: ring
+    0.6 vs 1.9 us, tree 0.6 vs 1.25): LL pushes its data the way LL128 does (flags inline in the lines it writes into
+    the receiver's buffer, no per-step fence, no P2P read), with less per hop. Free fits on the LL sizes (128 KiB to
+    2 MiB) give 1.7 us (1a) and 1.1 us (1b) per ring step, against 1.26 here."""
+    if not (f.arch == "ampere" and f.intra_link == "nvlink"):
+        return 0.0
+    if p == _LL:
+        hop = HW_LATENCY_US["nvlink"][algorithm]
+        return AMPERE_NVLINK_STEP_US * hop[_LL] / hop[_LL128]
+    return AMPERE_NVLINK_STEP_US
 
 
 def _proxy_gbps(f: Fabric, chunk: int, p: int) -> float:
@@ -127,11 +146,13 @@ def _transfer_us(f: Fabric, nbytes: int, algorithm: str, p: int, bw_scale: float
         inter_alg = min(inter_gbps_nccl(f) * (1.0 if f.nodes == 2 else 0.5), _proxy_gbps(f, chunk, _SIMPLE))
         return max(nvls, nbytes / (1e3 * inter_alg))
     alg = protocol_algbw_gbps(f, nbytes, algorithm, p, bw_scale)
+    bus, ratio = _bus_and_ratio(f, algorithm, bw_scale)
+    if algorithm == "ring" and p == _LL and f.arch == "ampere":
+        alg = min(alg, bus * AMPERE_RING_LL_FACTOR * ratio)
     nc = comm_channels(f)
     q = channel_min_bytes(f, algorithm, p)
     used = min(float(nc), max(1.0, nbytes / q)) if q else float(nc)
     # The channels kept move at most their share of the links (the protocol's own cap may be lower still).
-    bus, ratio = _bus_and_ratio(f, algorithm, bw_scale)
     alg = min(alg, bus * ratio * used / nc)
     if algorithm == "tree" and f.nodes > 1:
         alg = min(alg, _proxy_gbps(f, _tree_chunk(f, nbytes, p), p) * _tree_egress_ratio(f))
@@ -147,7 +168,7 @@ def protocol_time_us(fabric: Fabric, nbytes: int, algorithm: str, protocol: str)
     cal = _factors(fabric, algorithm)
     base, intra, inter = _latency_parts(fabric, algorithm, p)
     windows = ring_windows(fabric, nbytes, p) if algorithm == "ring" else 1
-    intra += _intra_steps(fabric, algorithm) * _step_extra_us(fabric)
+    intra += _intra_steps(fabric, algorithm) * _step_extra_us(fabric, algorithm, p)
     latency = (base * cal.latency_scale + windows * (intra * cal.latency_scale + inter)) * \
         _plateau(fabric, algorithm, p)
     return latency + _transfer_us(fabric, nbytes, algorithm, p, cal.bandwidth_scale, cal.latency_scale)
