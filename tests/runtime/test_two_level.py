@@ -160,6 +160,49 @@ def test_two_level_nodes_whose_ranks_interleave():
     torch_path_workers(_interleaved_worker, 4)
 
 
+class _StandInWork:
+    """What the exchange queue asks of a collective's work: its future."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def get_future(self):
+        return self._future
+
+
+def _stand_in_reduce_scatter(output, input, group):
+    """A reduce-scatter with a future, as NCCL's: the node's sum (here an all-reduce of the whole send buffer,
+    which the node all-gather overwrites anyway), then this rank's part of it into ``output``."""
+    k, part = dist.get_rank(group), output.numel()
+
+    def take(future):
+        future.value()
+        output.copy_(input[k * part:(k + 1) * part])
+        return output
+
+    return _StandInWork(dist.all_reduce(input, group=group, async_op=True).get_future().then(take))
+
+
+def _reduce_scatter_worker(rank, world_size):
+    from ddp_triton.runtime import nodes, two_level
+
+    nodes._reduce_scatter_has_future = lambda group, size: True
+    two_level.reduce_scatter_single = _stand_in_reduce_scatter
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.bfloat16)):
+        state = check_against_reference(rank, world_size, options, 0.004)
+        assert state.nodes.reduce_scatter
+        stages = [stage.collective_phase for stage in state.latest_pass()[0].exchange.stages]
+        assert stages[0] == "reduce_scatter", stages
+
+
+def test_two_level_reduce_scatter_path_with_a_stand_in_reduce_scatter():
+    """The path NCCL takes (a reduce-scatter with a future; gloo's has none, so elsewhere the node's sum is an
+    all-reduce and a copy): this rank's part arrives straight in its shard, the same bits as the reference, across
+    several buckets and DDP's rebuild. NCCL's own reduce-scatter is not run here (no GPU)."""
+    torch_path_workers(_reduce_scatter_worker, 4, timeout=180)
+
+
 def _after_a_subgroup_worker(rank, world_size):
     dist.new_group([0, 1], use_local_synchronization=True)  # made by two ranks only: the others never see it
     os.environ["GROUP_RANK"] = str(rank // LOCAL)
