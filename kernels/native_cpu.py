@@ -130,12 +130,14 @@ def _private(path: Path, kind: Callable[[int], bool]) -> bool:
 
 
 def _cache_folder() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddp-triton" / "native"
+    """``$XDG_CACHE_HOME/ddp-triton/native`` (else ``~/.cache/...``) where it is a private folder of this user's;
+    otherwise (no home, read-only, another owner, writable by others) a new private temporary folder."""
     try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddp-triton" / "native"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        pass
-    if _private(base, stat.S_ISDIR):
+    except (OSError, RuntimeError, KeyError):  # Path.home() raises these where no home directory is known
+        base = None
+    if base is not None and _private(base, stat.S_ISDIR):
         return base
     return Path(tempfile.mkdtemp(prefix="ddp-triton-native-"))
 

@@ -186,3 +186,24 @@ def test_the_build_never_writes_through_or_loads_a_planted_link(compiled, fresh_
         old.unlink()
     assert native_cpu.library() is not None
     assert not list(fresh_build.iterdir())  # built in a private temporary folder instead
+
+
+def test_a_read_only_cache_builds_in_a_private_temporary_folder(compiled, fresh_build, monkeypatch, tmp_path):
+    """A cache folder that cannot be made (its parent read-only here: a file stands where the folder would go)."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert native_cpu.library() is not None
+    assert blocked.read_text() == "a file, not a folder"
+
+
+def test_no_home_directory_builds_in_a_private_temporary_folder(compiled, fresh_build, monkeypatch):
+    """Path.home() raises where no home directory is known (no $HOME, no password entry): no crash at bind."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(native_cpu.Path, "home", classmethod(no_home))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_cpu.library() is not None
