@@ -14,9 +14,10 @@ Every rank must issue the collectives of a group in one order, and a gloo future
 thread whenever the work finishes. The ``ExchangeQueue`` keeps one rule: each group's collectives are issued in the
 order the buckets started, a bucket's in stage order. Under one lock it issues a stage once the collective before
 it has finished and no earlier bucket still owes a collective on the stage's group; completions call back to issue
-what they unblock (never waiting, on gloo's thread), the hook issues a bucket's first stage (first issuing what
-earlier buckets owe on its group, waiting if it must) and the last bucket of a backward issues everything left
-(waiting without the lock, so completions keep issuing meanwhile). The sharded exchange's two collectives share a
+what they unblock (never waiting, on gloo's thread), the hook queues a bucket once its first computation has run
+(its first collective goes out at once unless an earlier bucket owes one on its group, and then when a completion
+unblocks it: the backward never waits for an earlier bucket's collectives) and the last bucket of a backward issues
+everything left (waiting without the lock, so completions keep issuing meanwhile). The sharded exchange's two collectives share a
 group, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank; the two-level exchange's reduce-scatters, cross
 exchanges and all-gathers are on three groups, so a bucket's reduce-scatter goes out while the bucket before is
 still between nodes, and its cross exchange queues right behind that bucket's. Any error (a failed collective, a
@@ -110,21 +111,25 @@ class _Run:
         self.exchange, self.result, self.watch = exchange, result, watch
         self.next = 0
         self.work: Any = None
+        """The Work of the collective issued last; None until the first is issued."""
+        self.computed = False
+        """The next stage's computation has run (the first stage's, outside the lock, when the bucket started)."""
         self.watched = 0
         """The stage count when a completion callback was last put on ``work`` (0: none yet)."""
 
     def phase(self, name: str) -> Any:
         return self.watch.phase(name) if self.watch is not None else contextlib.nullcontext()
 
-    def run_next(self, computed: bool = False) -> None:
+    def run_next(self) -> None:
         """Run the next stage: its computation (unless ``computed`` already) and its collective."""
         stage = self.exchange.stages[self.next]
-        if not computed:
+        if not self.computed:
             with self.phase(stage.compute_phase):
                 stage.compute()
         with self.phase(stage.collective_phase):
             self.work = stage.issue()
         self.next += 1
+        self.computed = False
 
     @property
     def issued_all(self) -> bool:
@@ -175,18 +180,16 @@ class ExchangeQueue:
                 self._break(exc)
             _fail(result, exc)
             return result
+        run.computed = True
         try:
             with self._lock:
-                first_group = id(exchange.stages[0].group)
-                if any(first_group in r.exchange.groups_from[r.next] for r in self._runs):
-                    self._drain()  # an earlier bucket still owes a collective on this group: issue it first
                 try:
                     self._check_intact()
-                    run.run_next(computed=True)
                 except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
-                    self._break(exc)
                     _fail(result, exc)
                     return result
+                # Its first collective goes out now, or, where an earlier bucket still owes one on its group, once
+                # that one is issued: by a completion, without holding the backward here.
                 self._runs.append(run)
                 if last:
                     self._drain()
@@ -223,7 +226,8 @@ class ExchangeQueue:
         owed: set = set()
         for run in list(self._runs):
             while not run.issued_all:
-                if id(run.exchange.stages[run.next].group) in owed or not run.work.get_future().done():
+                if id(run.exchange.stages[run.next].group) in owed or (
+                        run.work is not None and not run.work.get_future().done()):
                     break
                 if not self._step(run):
                     return  # every pending bucket failed with it
@@ -237,7 +241,8 @@ class ExchangeQueue:
         """Run ``run``'s next stage, its collective before having finished; False, with every pending bucket
         failed, on an error."""
         try:
-            run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
+            if run.work is not None:
+                run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
             run.run_next()
         except Exception as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
             _fail(run.result, exc)

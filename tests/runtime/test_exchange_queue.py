@@ -133,3 +133,26 @@ def test_the_last_bucket_drains_without_holding_later_buckets_behind_earlier_one
     for group in (NODE, CROSS, GATHER):
         order = [(b, s) for b, s, g in rec.issued if g == group]
         assert order == sorted(order), (group, rec.issued)
+
+
+def test_a_bucket_behind_an_earlier_one_on_its_group_returns_at_once():
+    """The sharded exchange's two collectives share one group: a bucket started while the one before still owes its
+    all-gather is queued, not waited for on the backward's thread, and goes out (in bucket order) when a
+    completion unblocks it."""
+    import threading
+
+    rec, queue = Recorder(), ExchangeQueue()
+    first = queue.start(rec.exchange(0, [CROSS, CROSS]), last=False)
+    started = {}
+    starter = threading.Thread(daemon=True, target=lambda: started.setdefault(
+        1, queue.start(rec.exchange(1, [CROSS, CROSS]), last=False)))
+    starter.start()
+    starter.join(timeout=10)
+    assert not starter.is_alive(), "the second bucket's start waited for the first bucket's collectives"
+    assert rec.issued == [(0, 0, CROSS)]  # bucket 1 waits its turn: bucket 0 owes its all-gather on the group
+    rec.complete(0, 0)
+    assert rec.issued == [(0, 0, CROSS), (0, 1, CROSS), (1, 0, CROSS)]
+    rec.complete(1, 0)
+    rec.complete(0, 1)
+    rec.complete(1, 1)
+    assert rec.issued[-1] == (1, 1, CROSS) and first.done() and started[1].done()
