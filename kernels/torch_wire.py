@@ -392,6 +392,13 @@ def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]
     return None
 
 
+def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Callable[[], None]:
+    """``call``, holding ``tensors``: the C functions get addresses, so the memory behind them must live as long
+    as the bound call does (as the torch passes' views keep theirs)."""
+    call.keeps = tensors  # type: ignore[attr-defined]
+    return call
+
+
 def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
                      scale: float, residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """The compiled quantize of an aligned layout: one call for a float32 bucket; a 16-bit one is widened chunk by
@@ -401,7 +408,7 @@ def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: Bl
     if src.dtype == torch.float32:
         arguments = (src.data_ptr(), layout.n_elements, layout.n_rows, scale, apply_scale, residual_at,
                      rows.data_ptr())
-        return lambda: passes.quantize(*arguments)
+        return _keeping(lambda: passes.quantize(*arguments), src, rows, residual)
     chunk_rows = min(CHUNK_ROWS, layout.n_rows)
     wide = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
     steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e1 - e0, r1 - r0, scale, apply_scale,
@@ -414,14 +421,14 @@ def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: Bl
             widened.copy_(part)
             passes.quantize(*arguments)
 
-    return run
+    return _keeping(run, src, rows, residual, wide)
 
 
 def _native_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
                    residual: Optional[torch.Tensor]) -> Callable[[], None]:
     arguments = (received.data_ptr(), out_rows.numel() // ROW_BYTES, n_ranks,
                  residual.data_ptr() if residual is not None else None, out_rows.data_ptr())
-    return lambda: passes.reduce(*arguments)
+    return _keeping(lambda: passes.reduce(*arguments), received, out_rows, residual)
 
 
 def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
@@ -435,7 +442,7 @@ def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout:
             passes.dequantize(*arguments)
             _finish_stats(stats, dst)
 
-        return direct
+        return _keeping(direct, rows, dst)
     chunk_rows = min(CHUNK_ROWS, layout.n_rows)
     values = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
     steps = [((rows.data_ptr() + ROW_BYTES * r0, e1 - e0, values.data_ptr(), 0),
@@ -448,7 +455,7 @@ def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout:
             store()
         _finish_stats(stats, dst)
 
-    return through_scratch
+    return _keeping(through_scratch, rows, dst, values)
 
 
 # ---- plain calls: the bound form, made and run once -------------------------------------------------------------

@@ -207,3 +207,36 @@ def test_no_home_directory_builds_in_a_private_temporary_folder(compiled, fresh_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native_cpu.library() is not None
+
+
+_TEMPORARIES = """
+import torch
+from ddp_triton import kernels
+from ddp_triton.kernels import fp8
+
+layout = kernels.block_layout([5000], 2)
+for i in range(50):
+    # Every tensor but the bound call's own result is a temporary, freed before the call runs unless it holds them.
+    rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    kernels.bind_quantize_blocks(torch.randn(5000), layout, rows, 0.5, residual=torch.zeros(5000))()
+    shard = torch.empty(layout.rows_per_shard * fp8.ROW_BYTES, dtype=torch.uint8)
+    kernels.bind_reduce_blocks(torch.cat([rows[: shard.numel()]] * 2), 2, shard,
+                               residual=torch.zeros(layout.rows_per_shard * 128))()
+    dst = torch.empty(5000)
+    kernels.bind_dequantize_blocks(rows.clone(), layout, dst)()
+    kernels.bind_dequantize_blocks(rows.clone(), layout, torch.empty(5000, dtype=torch.bfloat16))()
+    junk = [torch.randn(4096) for _ in range(8)]  # reuses whatever was freed
+    assert torch.isfinite(dst).all()
+print("ok")
+"""
+
+
+def test_a_bound_call_keeps_the_tensors_it_writes_alive(compiled):
+    """The C functions get addresses: a bound call made of temporaries (the one-line idiom) must not write into
+    freed memory (it crashed the process, or corrupted its heap, before the bound calls held their tensors)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", _TEMPORARIES], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
