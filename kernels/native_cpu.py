@@ -6,8 +6,10 @@ spends longer in the FP8 passes than on the link the format was chosen for. ``fp
 sweep, with the kernels' integer rounding and the same float32 operations in the same order, so its bits are the
 kernels'. It is compiled the way Triton compiles its own launchers: the system's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``), once per machine and source, into ``$XDG_CACHE_HOME/ddp-triton/native`` (a private temporary
-folder where that is not a folder of this user's). Flags that would change a result are not used: no fast-math, no
-FMA contraction (``-ffp-contract=off``); ``-fno-trapping-math`` only lets the compiler vectorise branch-free selects.
+folder, removed once loaded, where that is not a folder of this user's that only this user and root can change).
+Flags that would change a result are not used, nor a compiler's fast-math default (``-fno-fast-math``, no FMA
+contraction: ``-ffp-contract=off``); ``-fno-trapping-math`` only lets the compiler vectorise branch-free selects. A
+built library is recorded with its SHA-256 and loaded only from the same open file whose bytes match it.
 
 No compiler, a failed build or ``DDP_TRITON_NATIVE_CPU=0`` leaves the torch path in place, with one warning for the
 first two. ``torch_wire`` also checks the library's bits against its own on first use and falls back on a mismatch.
@@ -27,13 +29,13 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 #: Set to 0 to keep CPU tensors on the plain-torch FP8 path.
 ENV_SWITCH = "DDP_TRITON_NATIVE_CPU"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
 #: Never a flag that changes a value: see the module's docstring.
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
 #: Tried first, where the compiler takes it: vector instructions of this machine (the cache key names the machine).
 NATIVE_FLAGS = ["-march=native"]
 COMPILE_TIMEOUT_S = 120
@@ -63,13 +65,18 @@ def enabled() -> bool:
 def library() -> Optional[Dict[str, Fp8Passes]]:
     """The compiled passes by format name ("e4m3", "e5m2"), built or found in the cache; None where they cannot be
     built (warned once)."""
+    flushing_before = _flushes_subnormals()
     try:
-        path = _built_library()
-        lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: a call releases the GIL
+        lib = _load()
     except (OSError, _BuildError) as exc:
         warnings.warn(f"ddp_triton: the compiled CPU FP8 passes are unavailable ({exc}); CPU tensors take the "
                       f"plain-torch FP8 path, which is several times slower (set {ENV_SWITCH}=0 to silence this)",
                       RuntimeWarning, stacklevel=2)
+        return None
+    if _flushes_subnormals() and not flushing_before:  # a compiler whose defaults link fast-math's start-up code
+        warnings.warn(f"ddp_triton: loading the compiled CPU FP8 passes turned on flush-to-zero for this process "
+                      f"(the C compiler's defaults); they are not used. Set {ENV_SWITCH}=0, or CC to another "
+                      "compiler, and restart: this process's float math stays changed", RuntimeWarning, stacklevel=2)
         return None
     address, size = ctypes.c_void_p, ctypes.c_int64
     passes = {}
@@ -86,14 +93,22 @@ def library() -> Optional[Dict[str, Fp8Passes]]:
     return passes
 
 
+def _flushes_subnormals() -> bool:
+    """Whether float32 subnormals are flushed to zero in this thread (fast-math start-up code sets that)."""
+    import torch
+
+    return float(torch.tensor([2.0 ** -140]).mul(1.0)[0]) == 0.0
+
+
 class _BuildError(Exception):
     pass
 
 
 def _compiler() -> str:
     for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
+        found = shutil.which(candidate) if candidate else None
+        if found:
+            return found
     raise _BuildError("no C compiler found ($CC, cc, gcc or clang)")
 
 
@@ -119,31 +134,46 @@ def _compiler_version(compiler: str) -> str:
         raise _BuildError(f"{compiler} --version failed: {exc}") from exc
 
 
-def _private(path: Path, kind: Callable[[int], bool]) -> bool:
-    """``path`` is of this kind (``stat.S_ISDIR``, ``stat.S_ISREG``; never a link), this user's, and nobody else
-    may write to it: safe to build into, and to load."""
+def _trusted_folder(path: Path) -> bool:
+    """``path`` is a folder of this user's that nobody else may write to, and no folder above it lets another user
+    swap what lies below (each is root's or this user's, and writable by others only with the sticky bit, as /tmp):
+    what is checked there is what is loaded."""
+    real = Path(os.path.realpath(path))
     try:
-        info = os.lstat(path)
+        info = os.lstat(real)
     except OSError:
         return False
-    return kind(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        return False
+    for parent in real.parents:
+        try:
+            info = os.lstat(parent)
+        except OSError:
+            return False
+        if info.st_uid not in (0, os.geteuid()) or (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
+            return False
+    return True
 
 
-def _cache_folder() -> Path:
-    """``$XDG_CACHE_HOME/ddp-triton/native`` (else ``~/.cache/...``) where it is a private folder of this user's;
-    otherwise (no home, read-only, another owner, writable by others) a new private temporary folder."""
+def _cache_folder() -> Tuple[Path, bool]:
+    """(folder, temporary): ``$XDG_CACHE_HOME/ddp-triton/native`` (else ``~/.cache/...``) where it is a trusted
+    folder; otherwise (no home, read-only, another owner, writable by others) a new private temporary folder,
+    removed once the library is loaded."""
     try:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddp-triton" / "native"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
     except (OSError, RuntimeError, KeyError):  # Path.home() raises these where no home directory is known
         base = None
-    if base is not None and _private(base, stat.S_ISDIR):
-        return base
-    return Path(tempfile.mkdtemp(prefix="ddp-triton-native-"))
+    if base is not None and _trusted_folder(base):
+        return base, False
+    return Path(tempfile.mkdtemp(prefix="ddp-triton-native-")), True
 
 
-def _built_library() -> Path:
-    """The library's path, compiling it into the cache when no usable copy is there."""
+def _load() -> ctypes.CDLL:
+    """Load the library of this source, compiler and machine from the cache, building it there first where no
+    verified copy is found. Verified: a regular file of this user's, no link, nobody else may write to it, and its
+    bytes have the SHA-256 recorded beside it when it was built (a file cut short by a crash would crash the loader).
+    What is verified is what is loaded: the same open file."""
     if not SOURCE.is_file():
         raise _BuildError(f"{SOURCE} is missing from the installation")
     compiler = _compiler()
@@ -151,25 +181,99 @@ def _built_library() -> Path:
     version = _compiler_version(compiler)
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(FLAGS).encode(),
                                      _machine_text().encode()])).hexdigest()[:20]
-    folder = _cache_folder()
+    folder, temporary = _cache_folder()
     target = folder / f"fp8_cpu-{key}.so"
-    if _private(target, stat.S_ISREG):
-        return target
+    try:
+        fd = _open_verified(target)
+        if fd is None:
+            _build(compiler, folder, target)
+            fd = _open_verified(target)
+            if fd is None:
+                raise _BuildError(f"{target} changed between its build and its load")
+        try:
+            where = f"/proc/self/fd/{fd}"
+            return ctypes.CDLL(where if os.path.exists(where) else str(target))  # CDLL: a call releases the GIL
+        finally:
+            os.close(fd)
+    finally:
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)  # a loaded library needs no file
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_suffix(".sha256")
+
+
+def _read_private(path: Path) -> Optional[Tuple[int, bytes]]:
+    """(open descriptor, contents) of a regular file of this user's that nobody else may write to; None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        os.close(fd)
+        return None
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return fd, b"".join(chunks)
+
+
+def _open_verified(target: Path) -> Optional[int]:
+    """An open descriptor of ``target`` if it is verified (see ``_load``), else None."""
+    digest = _read_private(_digest_path(target))
+    if digest is None:
+        return None
+    os.close(digest[0])
+    library_file = _read_private(target)
+    if library_file is None:
+        return None
+    fd, contents = library_file
+    if hashlib.sha256(contents).hexdigest().encode() != digest[1].strip():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _write_new(folder: Path, prefix: str, suffix: str, contents: Optional[bytes]) -> str:
+    """A new private file in ``folder`` (flushed to disk), for an atomic rename; ``contents`` None: left empty."""
+    handle, partial = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)
+    try:
+        if contents is not None:
+            os.write(handle, contents)
+            os.fsync(handle)
+    finally:
+        os.close(handle)
+    return partial
+
+
+def _build(compiler: str, folder: Path, target: Path) -> None:
+    """Compile into ``target`` (and its recorded SHA-256), each renamed into place whole, flushed to disk first."""
     errors: List[str] = []
     for extra in (NATIVE_FLAGS, []):
-        handle, partial = tempfile.mkstemp(prefix=".fp8_cpu-", suffix=".so", dir=folder)
-        os.close(handle)
+        partial = _write_new(folder, ".fp8_cpu-", ".so", None)
         try:
-            out = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, str(SOURCE)], capture_output=True,
-                                 text=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as exc:
-            os.unlink(partial)
-            raise _BuildError(f"{compiler} failed to run: {exc}") from exc
-        if out.returncode == 0:
-            os.chmod(partial, 0o700)
-            os.replace(partial, target)  # atomic; replaces a link at the target rather than writing through it
-            return target
-        os.unlink(partial)
-        lines = (out.stderr or out.stdout).strip().splitlines()
-        errors.append(lines[-1] if lines else f"exit status {out.returncode}")
+            try:
+                out = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, str(SOURCE)], capture_output=True,
+                                     text=True, timeout=COMPILE_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise _BuildError(f"{compiler} failed to run: {exc}") from exc
+            if out.returncode == 0:
+                os.chmod(partial, 0o700)
+                with open(partial, "rb") as built:
+                    contents = built.read()
+                    os.fsync(built.fileno())
+                digest = _write_new(folder, ".fp8_cpu-", ".sha256", hashlib.sha256(contents).hexdigest().encode())
+                os.replace(partial, target)  # atomic; replaces a link at the target rather than writing through
+                os.replace(digest, _digest_path(target))
+                return
+            lines = (out.stderr or out.stdout).strip().splitlines()
+            errors.append(lines[-1] if lines else f"exit status {out.returncode}")
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
     raise _BuildError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")

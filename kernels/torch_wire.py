@@ -110,8 +110,10 @@ class _RowQuantizer:
         if left is None:
             return
         self.decode(codes, scratch)
-        # values - code * scale: the product is exact (a power-of-two scale), so one rounding with or without FMA.
-        torch.addcmul(values, scratch, scale.neg()[:, None], out=left)
+        # values - code * scale, the product rounded first as the kernel does: exact unless it overflows to inf
+        # (a block near float32's top), where a fused multiply-add would give a finite residual.
+        scratch.mul_(scale[:, None])
+        torch.sub(values, scratch, out=left)
         if not all_finite:
             left[~finite] = 0.0
 
@@ -234,7 +236,8 @@ def _torch_reduce(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, 
             part_total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
             for rank_codes, rank_scales in parts:
                 decode(rank_codes, part_decoded)
-                torch.addcmul(part_total, part_decoded, rank_scales, out=part_total)  # exact product, one rounding
+                part_decoded.mul_(rank_scales)  # rounded, then added, as the kernel does (whatever the scale)
+                part_total.add_(part_decoded)
             if part_residual is not None:
                 part_total.add_(part_residual)
             quantize(part_total, part_codes, part_scales, part_residual)
@@ -360,7 +363,8 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
 
 def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]:
     """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
-    error feedback, a reduce over three ranks, dequantize with canonical NaNs), or None."""
+    error feedback and at scale 1 without, a reduce over three ranks, dequantize to float32 and bfloat16 with
+    canonical NaNs), or None."""
     from .blocks import block_layout
 
     n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks: room for every kind of block
@@ -377,15 +381,21 @@ def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]
         received = torch.cat([rows[: layout.rows_per_shard * ROW_BYTES]] * ranks)
         out = torch.zeros(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
         shard_residual = _self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=3) * 2.0**-12
-        dst = torch.empty(n)
+        dst, dst16 = torch.empty(n), torch.empty(n, dtype=torch.bfloat16)
+        plain = torch.zeros_like(rows)  # the other quantize: scale 1, no residual
         if native:
             _native_reduce(passes, received, ranks, out, shard_residual)()
             _native_dequantize(passes, rows, layout, dst, None, True)()
+            _native_dequantize(passes, rows, layout, dst16, None, True)()
+            _native_quantize(passes, src, layout, plain, 1.0, None)()
         else:
             _torch_reduce(received, ranks, out, fmt, shard_residual)()
             _torch_dequantize(rows, layout, dst, fmt, None, True)()
+            _torch_dequantize(rows, layout, dst16, fmt, None, True)()
+            _torch_quantize(src, layout, plain, 1.0, fmt, None)()
         results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
-                        "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32)})
+                        "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
+                        "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain})
     for what, got in results[0].items():
         if not torch.equal(got, results[1][what]):
             return f"{fmt.dtype}: the {what}"

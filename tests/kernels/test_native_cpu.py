@@ -240,3 +240,72 @@ def test_a_bound_call_keeps_the_tensors_it_writes_alive(compiled):
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, "-c", _TEMPORARIES], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
+def _in_a_process(code, env_changes):
+    """Run ``code`` in a fresh interpreter (a crash or a changed float mode must not reach this one)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", **env_changes)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_a_cached_library_cut_short_is_rebuilt_not_loaded(compiled, tmp_path):
+    """A file cut short (a crash before it reached the disk, an interrupted copy) kept its name: loading it crashed
+    every process with SIGBUS. Its bytes no longer match the SHA-256 recorded at build: it is built again."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    build = _in_a_process("from ddp_triton.kernels import native_cpu; print(native_cpu.library() is not None)", env)
+    assert build.stdout.strip() == "True", build.stderr[-2000:]
+    (built,) = list((tmp_path / "ddp-triton" / "native").glob("fp8_cpu-*.so"))
+    whole = built.read_bytes()
+    with open(built, "r+b") as f:
+        f.truncate(16384)
+    again = _in_a_process("from ddp_triton.kernels import native_cpu, torch_wire\n"
+                          "print(native_cpu.library() is not None, torch_wire.cpu_fp8_passes())", env)
+    assert again.returncode == 0 and again.stdout.split() == ["True", "compiled"], (again.returncode,
+                                                                                  again.stderr[-2000:])
+    assert built.read_bytes() == whole
+
+
+def test_a_compiler_that_turns_on_fast_math_is_not_used(compiled, tmp_path):
+    """A compiler whose own settings add fast-math (as some do by default) links start-up code that flushes every
+    subnormal of the process to zero: the library is refused, with a warning that says what happened."""
+    import shutil
+
+    wrapper = tmp_path / "fast-cc"
+    wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('cc') or shutil.which('gcc')} \"$@\" -ffast-math\n")
+    wrapper.chmod(0o755)
+    code = ("import warnings\nfrom ddp_triton.kernels import native_cpu, torch_wire\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(native_cpu.library() is None, torch_wire.cpu_fp8_passes())\n"
+            "print('|'.join(str(w.message) for w in seen))")
+    run = _in_a_process(code, {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(wrapper)})
+    first, messages = run.stdout.split("\n", 1)
+    assert first.split() == ["True", "torch"], run.stderr[-2000:]
+    assert "turned on flush-to-zero" in messages
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_block_whose_scale_overflows_and_rows_with_other_scales(compiled, monkeypatch, fmt):
+    """Two inputs where a fused multiply-add and the kernel's product-then-sum differ: a block near float32's top
+    (its code times its scale overflows to inf: the residual is -inf, as in the kernel) and received rows whose scale
+    is not a power of two (no honest quantize writes one; a product that is not exact). Both paths, same bits."""
+    layout = block_layout([256], 1)
+    src = torch.linspace(-1.0, 1.0, 256)
+    src[0] = 3.3e38
+    g = torch.Generator().manual_seed(0)
+    received = torch.randint(0, 0x70, (2 * fp8.ROW_BYTES,), generator=g, dtype=torch.int32).to(torch.uint8)
+    received.view(torch.int32).view(-1, fp8.ROW_WORDS)[:, -1].copy_(torch.tensor([1.1, 1.3]).view(torch.int32))
+    results = {}
+    for native in (True, False):
+        monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+        residual, rows = torch.zeros(256), torch.zeros(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+        torch_wire.bind_quantize_blocks(src, layout, rows, 1.0, fmt, residual)()
+        out, shard_residual = torch.zeros(fp8.ROW_BYTES, dtype=torch.uint8), torch.linspace(-1e-3, 1e-3, 128)
+        torch_wire.bind_reduce_blocks(received, 2, out, fmt, shard_residual)()
+        results[native] = (rows, residual.view(torch.int32), out, shard_residual.view(torch.int32))
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+    assert results[True][1][0] == torch.tensor(float("-inf")).view(torch.int32)

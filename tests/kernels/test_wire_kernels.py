@@ -425,3 +425,23 @@ def test_bound_torch_path_across_its_steps(fmt, sizes):
     for r in range(ranks):
         expected = expected + slices16[r * summed.numel():(r + 1) * summed.numel()].float()
     assert_same_bits(summed, expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["compiled", "torch-ops"])
+def test_a_block_whose_scale_overflows_gives_the_kernels_residual(monkeypatch, native):
+    """Code times scale overflows to inf near float32's top: the kernel's residual is -inf; both CPU paths agree."""
+    monkeypatch.setenv("DDP_TRITON_NATIVE_CPU", native)
+    layout = block_layout([256], 1)
+    src = torch.linspace(-1.0, 1.0, 256)
+    src[0] = 3.3e38
+    got, want = {}, {}
+    for out, run in ((got, torch_wire.quantize_blocks), (want, None)):
+        residual, rows = torch.zeros(256), rows_for(layout)
+        if run is None:
+            blockscale.quantize_blocks(src, layout, rows, 1.0, fmt=torch.float8_e4m3fn, residual=residual)
+        else:
+            run(src, layout, rows, 1.0, fp8.E4M3, residual)
+        out.update(rows=rows, residual=residual)
+    assert torch.equal(got["rows"], want["rows"])
+    assert torch.equal(got["residual"].view(torch.int32), want["residual"].view(torch.int32))
+    assert want["residual"][0] == float("-inf")
