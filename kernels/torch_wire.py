@@ -345,7 +345,8 @@ def _checked_native(dtype: torch.dtype) -> Optional[native_cpu.Fp8Passes]:
 
 def _self_check_values(n: int, seed: int) -> torch.Tensor:
     """Values over float32's whole range: magnitudes from 2^-149 to 2^120 block by block, exact zeros and -0, and
-    from five blocks on, a block of ties at FP8 precision, one holding an infinity and one a NaN."""
+    from five blocks on, a block of ties at FP8 precision, one holding an infinity, one a NaN and one a value whose
+    dequantized code overflows."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(n, generator=gen)
     exponents = torch.randint(-149, 120, (-(-n // BLOCK_ELEMENTS),), generator=gen).repeat_interleave(BLOCK_ELEMENTS)
@@ -358,6 +359,8 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
         values[BLOCK_ELEMENTS:2 * BLOCK_ELEMENTS] = (1.0 + halfway) * torch.where(ties % 3 == 0, -1.0, 1.0)
         values[3 * BLOCK_ELEMENTS + 5] = float("inf")
         values[4 * BLOCK_ELEMENTS + 9] = float("nan")
+    if n >= 6 * BLOCK_ELEMENTS:
+        values[5 * BLOCK_ELEMENTS + 3] = 3.3e38  # its block's largest code times the scale overflows to inf
     return values
 
 
