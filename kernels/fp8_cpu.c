@@ -6,7 +6,9 @@
  * kernels/native_cpu.py compiles this file on first use with -ffp-contract=off: a fused multiply-add would round
  * once where the kernels round twice. The exported functions are specialised per format (the _e4m3 and _e5m2 ends).
  *
- * Rows are 132 bytes: 128 codes, then the block's scale as a float32 (kernels/fp8.py).
+ * Rows are 132 bytes: 128 codes, then the block's scale as a float32 (kernels/fp8.py). Where each row's elements
+ * lie in the bucket comes from the layout's block table, (first element, length) per row, as the kernels read it:
+ * each tensor has its own blocks, its last one short, and padding rows have length 0.
  */
 
 #include <stdint.h>
@@ -91,13 +93,13 @@ INLINE void quantize_block(const float *values, uint8_t *row, float *left, const
     memcpy(row + BLOCK, &scale, 4);
 }
 
-INLINE void quantize(const float *src, int64_t n, int64_t n_rows, float scale, int apply_scale, float *residual,
-                     uint8_t *rows, const int M, const int BIAS, const int MAX_EXPONENT_OF) {
+INLINE void quantize(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
+                     int apply_scale, float *residual, uint8_t *rows, const int M, const int BIAS,
+                     const int MAX_EXPONENT_OF) {
     float values[BLOCK], left[BLOCK];
     for (int64_t r = 0; r < n_rows; r++) {
-        int64_t start = r * BLOCK;
-        int64_t length = n - start < BLOCK ? (n - start > 0 ? n - start : 0) : BLOCK;
-        const float *x = src + start;
+        int64_t start = table[2 * r], length = table[2 * r + 1];
+        const float *x = length > 0 ? src + (start - src_offset) : src;  /* a padding row reads nothing */
         if (length == BLOCK) {  /* the kernel's order: widened value * scale, then + residual */
             if (apply_scale && residual)
                 for (int i = 0; i < BLOCK; i++) values[i] = x[i] * scale + residual[start + i];
@@ -107,7 +109,7 @@ INLINE void quantize(const float *src, int64_t n, int64_t n_rows, float scale, i
                 for (int i = 0; i < BLOCK; i++) values[i] = x[i] + residual[start + i];
             else
                 memcpy(values, x, sizeof(values));
-        } else {
+        } else {  /* a tensor's short last block, or a padding row (length 0): zeros past its end */
             for (int i = 0; i < BLOCK; i++)
                 values[i] = 0.0f;
             for (int64_t i = 0; i < length; i++) {
@@ -149,18 +151,20 @@ INLINE void reduce(const uint8_t *received, int64_t rows_per_rank, int64_t n_ran
     }
 }
 
-INLINE void dequantize(const uint8_t *rows, int64_t n, float *dst, int canonical_nan, const int M, const int BIAS) {
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        const uint8_t *row = rows + (start / BLOCK) * ROW_BYTES;
+INLINE void dequantize(const uint8_t *rows, const int64_t *table, int64_t n_rows, float *dst, int64_t dst_offset,
+                       int canonical_nan, const int M, const int BIAS) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = rows + r * ROW_BYTES;
         float scale = row_scale(row);
-        float *out = dst + start;
-        if (n - start >= BLOCK) {
+        int64_t length = table[2 * r + 1];
+        float *out = length > 0 ? dst + (table[2 * r] - dst_offset) : dst;
+        if (length == BLOCK) {
             for (int i = 0; i < BLOCK; i++) {
                 float v = decode(row[i], M, BIAS) * scale;
                 out[i] = canonical_nan && v != v ? float_of(CANONICAL_NAN) : v;
             }
         } else {
-            for (int64_t i = 0; i < n - start; i++) {
+            for (int64_t i = 0; i < length; i++) {
                 float v = decode(row[i], M, BIAS) * scale;
                 out[i] = canonical_nan && v != v ? float_of(CANONICAL_NAN) : v;
             }
@@ -168,12 +172,17 @@ INLINE void dequantize(const uint8_t *rows, int64_t n, float *dst, int canonical
     }
 }
 
-/* rows <- the blocks of src[:n] * scale (+ residual), zero past n; residual[:n] <- what the rounding left out.
- * An aligned layout: element i lies in block i / 128. */
-void ddpt_quantize_e4m3(const float *src, int64_t n, int64_t n_rows, float scale, int apply_scale, float *residual,
-                        uint8_t *rows) { quantize(src, n, n_rows, scale, apply_scale, residual, rows, 3, 7, 8); }
-void ddpt_quantize_e5m2(const float *src, int64_t n, int64_t n_rows, float scale, int apply_scale, float *residual,
-                        uint8_t *rows) { quantize(src, n, n_rows, scale, apply_scale, residual, rows, 2, 15, 15); }
+/* rows <- the blocks of src * scale (+ residual), each row's (first element, length) in table (n_rows pairs; a
+ * short block is zero past its end); residual <- what the rounding left out. src holds the bucket's elements from
+ * src_offset on; residual the whole bucket. */
+void ddpt_quantize_e4m3(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
+                        int apply_scale, float *residual, uint8_t *rows) {
+    quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 3, 7, 8);
+}
+void ddpt_quantize_e5m2(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
+                        int apply_scale, float *residual, uint8_t *rows) {
+    quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 2, 15, 15);
+}
 
 /* out <- the requantized sum, in float32 from +0 in rank order, of n_ranks copies of rows_per_rank rows laid rank
  * after rank in received (+ residual, 128 per row); residual <- what the rounding left out. */
@@ -182,10 +191,13 @@ void ddpt_reduce_e4m3(const uint8_t *received, int64_t rows_per_rank, int64_t n_
 void ddpt_reduce_e5m2(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, float *residual,
                       uint8_t *out) { reduce(received, rows_per_rank, n_ranks, residual, out, 2, 15, 15); }
 
-/* dst[:n] <- the values of the rows' first n elements (element i in block i / 128), NaNs canonical if asked. */
-void ddpt_dequantize_e4m3(const uint8_t *rows, int64_t n, float *dst, int canonical_nan) {
-    dequantize(rows, n, dst, canonical_nan, 3, 7);
+/* dst <- the values of n_rows rows, each where table (first element, length) says; dst holds the bucket's
+ * elements from dst_offset on. NaNs canonical if asked. */
+void ddpt_dequantize_e4m3(const uint8_t *rows, const int64_t *table, int64_t n_rows, float *dst, int64_t dst_offset,
+                          int canonical_nan) {
+    dequantize(rows, table, n_rows, dst, dst_offset, canonical_nan, 3, 7);
 }
-void ddpt_dequantize_e5m2(const uint8_t *rows, int64_t n, float *dst, int canonical_nan) {
-    dequantize(rows, n, dst, canonical_nan, 2, 15);
+void ddpt_dequantize_e5m2(const uint8_t *rows, const int64_t *table, int64_t n_rows, float *dst, int64_t dst_offset,
+                          int canonical_nan) {
+    dequantize(rows, table, n_rows, dst, dst_offset, canonical_nan, 2, 15);
 }

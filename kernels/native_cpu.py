@@ -46,9 +46,10 @@ FORMAT_NAMES = ("e4m3", "e5m2")
 class Fp8Passes:
     """The three passes of one FP8 format, as C functions taking addresses (``tensor.data_ptr()``).
 
-    - ``quantize(src, n, n_rows, scale, apply_scale, residual_or_None, rows)``: float32 src of an aligned layout;
+    - ``quantize(src, src_offset, table, n_rows, scale, apply_scale, residual_or_None, rows)``: float32 src
+      holding the bucket from element ``src_offset`` on, ``table`` a layout's int64 (start, length) rows;
     - ``reduce(received, rows_per_rank, n_ranks, residual_or_None, out)``;
-    - ``dequantize(rows, n, dst, canonical_nan)``: float32 dst of an aligned layout.
+    - ``dequantize(rows, table, n_rows, dst, dst_offset, canonical_nan)``: float32 dst from ``dst_offset`` on.
     """
 
     quantize: ctypes._CFuncPtr
@@ -82,11 +83,11 @@ def library() -> Optional[Dict[str, Fp8Passes]]:
     passes = {}
     for name in FORMAT_NAMES:
         quantize = getattr(lib, f"ddpt_quantize_{name}")
-        quantize.argtypes = [address, size, size, ctypes.c_float, ctypes.c_int, address, address]
+        quantize.argtypes = [address, size, address, size, ctypes.c_float, ctypes.c_int, address, address]
         reduce = getattr(lib, f"ddpt_reduce_{name}")
         reduce.argtypes = [address, size, size, address, address]
         dequantize = getattr(lib, f"ddpt_dequantize_{name}")
-        dequantize.argtypes = [address, size, address, ctypes.c_int]
+        dequantize.argtypes = [address, address, size, address, size, ctypes.c_int]
         for fn in (quantize, reduce, dequantize):
             fn.restype = None
         passes[name] = Fp8Passes(quantize, reduce, dequantize)

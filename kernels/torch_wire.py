@@ -141,7 +141,7 @@ def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Ten
     """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. Bound: on an
     aligned layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
     passes = _native(fmt)
-    if passes is not None and _aligned(layout):
+    if passes is not None:
         return _native_quantize(passes, src, layout, rows, scale, residual)
     return _torch_quantize(src, layout, rows, scale, fmt, residual)
 
@@ -250,7 +250,7 @@ def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.T
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical unless told not to); optional
     [sum of squares, non-finite count]. Bound: on an aligned layout a call allocates nothing."""
     passes = _native(fmt)
-    if passes is not None and _aligned(layout):
+    if passes is not None:
         return _native_dequantize(passes, rows, layout, dst, stats, canonical_nan)
     return _torch_dequantize(rows, layout, dst, fmt, stats, canonical_nan)
 
@@ -370,8 +370,8 @@ def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]
     canonical NaNs), or None."""
     from .blocks import block_layout
 
-    n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks: room for every kind of block
-    layout = block_layout([n], ranks)
+    n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
+    layout = block_layout([77, 5 * BLOCK_ELEMENTS + 3, n - 5 * BLOCK_ELEMENTS - 80], ranks)  # short blocks inside
     src = _self_check_values(n, seed=1)
     results = []
     for native in (True, False):
@@ -412,29 +412,43 @@ def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Call
     return call
 
 
+def _row_spans(layout: BlockLayout) -> List[Tuple[int, int, int, int]]:
+    """(first row, end row, first element, end element) of each step of CHUNK_ROWS rows of ``layout``: the
+    elements its data rows hold (blocks follow the tensors in order, so they are one range; empty for padding)."""
+    table, spans = layout.table.tolist(), []
+    for r0 in range(0, layout.n_rows, CHUNK_ROWS):
+        r1 = min(r0 + CHUNK_ROWS, layout.n_rows)
+        last = min(r1, layout.n_blocks) - 1
+        if last < r0:
+            spans.append((r0, r1, layout.n_elements, layout.n_elements))
+        else:
+            spans.append((r0, r1, table[r0][0], table[last][0] + table[last][1]))
+    return spans
+
+
 def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
                      scale: float, residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """The compiled quantize of an aligned layout: one call for a float32 bucket; a 16-bit one is widened chunk by
-    chunk into a float32 scratch buffer that stays in cache (the kernel widens, then multiplies)."""
+    """The compiled quantize, any layout (its block table says where each row's elements are): one call for a
+    float32 bucket; a 16-bit one is widened step by step into a float32 scratch buffer that stays in cache (the
+    kernel widens, then multiplies)."""
     apply_scale = int(scale != 1.0)
     residual_at = residual.data_ptr() if residual is not None else None
+    table = layout.table
     if src.dtype == torch.float32:
-        arguments = (src.data_ptr(), layout.n_elements, layout.n_rows, scale, apply_scale, residual_at,
+        arguments = (src.data_ptr(), 0, table.data_ptr(), layout.n_rows, scale, apply_scale, residual_at,
                      rows.data_ptr())
-        return _keeping(lambda: passes.quantize(*arguments), src, rows, residual)
-    chunk_rows = min(CHUNK_ROWS, layout.n_rows)
-    wide = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
-    steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e1 - e0, r1 - r0, scale, apply_scale,
-                                            None if residual is None else residual_at + 4 * e0,
-                                            rows.data_ptr() + ROW_BYTES * r0))
-             for r0, r1, e0, e1 in _row_chunks(layout.n_rows, layout.n_elements)]
+        return _keeping(lambda: passes.quantize(*arguments), src, rows, residual, table)
+    wide = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
+    steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e0, table.data_ptr() + 16 * r0, r1 - r0, scale,
+                                            apply_scale, residual_at, rows.data_ptr() + ROW_BYTES * r0))
+             for r0, r1, e0, e1 in _row_spans(layout)]
 
     def run() -> None:
         for part, widened, arguments in steps:
             widened.copy_(part)
             passes.quantize(*arguments)
 
-    return _keeping(run, src, rows, residual, wide)
+    return _keeping(run, src, rows, residual, wide, table)
 
 
 def _native_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
@@ -446,21 +460,21 @@ def _native_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks
 
 def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
                        stats: Optional[torch.Tensor], canonical_nan: bool) -> Callable[[], None]:
-    """The compiled dequantize of an aligned layout: straight into a float32 bucket; into a 16-bit one through a
-    float32 scratch buffer, chunk by chunk, rounded once by torch's conversion."""
+    """The compiled dequantize, any layout: straight into a float32 bucket; into a 16-bit one through a float32
+    scratch buffer, step by step, rounded once by torch's conversion."""
+    table = layout.table
     if dst.dtype == torch.float32:
-        arguments = (rows.data_ptr(), layout.n_elements, dst.data_ptr(), int(canonical_nan))
+        arguments = (rows.data_ptr(), table.data_ptr(), layout.n_blocks, dst.data_ptr(), 0, int(canonical_nan))
 
         def direct() -> None:
             passes.dequantize(*arguments)
             _finish_stats(stats, dst)
 
-        return _keeping(direct, rows, dst)
-    chunk_rows = min(CHUNK_ROWS, layout.n_rows)
-    values = torch.empty(chunk_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
-    steps = [((rows.data_ptr() + ROW_BYTES * r0, e1 - e0, values.data_ptr(), 0),
-              _converter(dst[e0:e1], values[: e1 - e0], 1.0, canonical_nan))
-             for r0, r1, e0, e1 in _row_chunks(layout.n_blocks, layout.n_elements)]
+        return _keeping(direct, rows, dst, table)
+    values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
+    steps = [((rows.data_ptr() + ROW_BYTES * r0, table.data_ptr() + 16 * r0, min(r1, layout.n_blocks) - r0,
+               values.data_ptr(), e0, 0), _converter(dst[e0:e1], values[: e1 - e0], 1.0, canonical_nan))
+             for r0, r1, e0, e1 in _row_spans(layout) if e1 > e0]
 
     def through_scratch() -> None:
         for arguments, store in steps:
@@ -468,7 +482,7 @@ def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout:
             store()
         _finish_stats(stats, dst)
 
-    return _keeping(through_scratch, rows, dst, values)
+    return _keeping(through_scratch, rows, dst, values, table)
 
 
 # ---- plain calls: the bound form, made and run once -------------------------------------------------------------

@@ -54,7 +54,9 @@ def values(n, seed):
                          ids=["scaled+ef", "ef", "scaled", "plain"])
 @pytest.mark.parametrize("sizes", [pytest.param([128 * 40], id="whole-blocks"),
                                    pytest.param([128 * 3, 128 * torch_wire.CHUNK_ROWS + 77], id="two-steps-tail"),
-                                   pytest.param([5], id="one-short-block")])
+                                   pytest.param([5], id="one-short-block"),
+                                   pytest.param([64, 4096, 64, 300, 0, 129], id="ragged"),
+                                   pytest.param([77] * 40 + [128 * torch_wire.CHUNK_ROWS], id="ragged-two-steps")])
 def test_compiled_passes_give_the_torch_passes_bits(compiled, monkeypatch, fmt, src_dtype, scale, with_residual,
                                                     sizes):
     ranks = 3
