@@ -311,3 +311,14 @@ def test_a_block_whose_scale_overflows_and_rows_with_other_scales(compiled, monk
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
     assert results[True][1][0] == torch.tensor(float("-inf")).view(torch.int32)
+
+
+def test_a_cache_under_a_folder_others_may_write_to_is_not_used(compiled, fresh_build, monkeypatch, tmp_path):
+    """Another user could swap a folder above the cache (not sticky, writable by all) between the checks and the
+    load: the library is built in a private temporary folder instead, and nothing is left in the cache."""
+    open_to_all = tmp_path / "shared"
+    open_to_all.mkdir()
+    os.chmod(open_to_all, 0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(open_to_all / "cache"))
+    assert native_cpu.library() is not None
+    assert not list((open_to_all / "cache" / "ddp-triton" / "native").iterdir())
