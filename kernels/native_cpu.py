@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 #: Set to 0 to keep CPU tensors on the plain-torch FP8 path.
 ENV_SWITCH = "DDP_TRITON_NATIVE_CPU"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
@@ -96,8 +98,6 @@ def library() -> Optional[Dict[str, Fp8Passes]]:
 
 def _flushes_subnormals() -> bool:
     """Whether float32 subnormals are flushed to zero in this thread (fast-math start-up code sets that)."""
-    import torch
-
     return float(torch.tensor([2.0 ** -140]).mul(1.0)[0]) == 0.0
 
 

@@ -12,17 +12,17 @@ inside the node, the node-crossing stages and an all-gather inside the node.
 
 Every rank must issue the collectives of a group in one order, and a gloo future's callback runs on gloo's own
 thread whenever the work finishes. The ``ExchangeQueue`` keeps one rule: each group's collectives are issued in the
-order the buckets started, a bucket's in stage order. Under one lock it issues a stage once the collective before
-it has finished and no earlier bucket still owes a collective on the stage's group; completions call back to issue
-what they unblock (never waiting, on gloo's thread), the hook queues a bucket once its first computation has run
-(its first collective goes out at once unless an earlier bucket owes one on its group, and then when a completion
+order the buckets started, a bucket's in stage order. Under one lock it issues a stage once the collective before it
+has finished and no earlier bucket still owes a collective on the stage's group; completions call back to issue what
+they unblock (never waiting, on gloo's thread), the hook queues a bucket once its first computation has run (its
+first collective goes out at once unless an earlier bucket owes one on its group, and then when a completion
 unblocks it: the backward never waits for an earlier bucket's collectives) and the last bucket of a backward issues
-everything left (waiting without the lock, so completions keep issuing meanwhile). The sharded exchange's two collectives share a
-group, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank; the two-level exchange's reduce-scatters, cross
-exchanges and all-gathers are on three groups, so a bucket's reduce-scatter goes out while the bucket before is
-still between nodes, and its cross exchange queues right behind that bucket's. Any error (a failed collective, a
-kernel's) fails that bucket's future, so the backward fails on this rank as with one all-reduce; one that leaves
-collectives unissued fails every later bucket of the state too (its peers issued them).
+everything left (waiting without the lock, so completions keep issuing meanwhile). The sharded exchange's two
+collectives share a group, giving a2a(0), ag(0), a2a(1), ag(1), ... on every rank; the two-level exchange's
+reduce-scatters, cross exchanges and all-gathers are on three groups, so a bucket's reduce-scatter goes out while
+the bucket before is still between nodes, and its cross exchange queues right behind that bucket's. Any error (a
+failed collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one
+all-reduce; one that leaves collectives unissued fails every later bucket of the state too (its peers issued them).
 
 The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
 queue (``ExchangeQueue.ordered``): they are issued after every collective the pending buckets owe and before the

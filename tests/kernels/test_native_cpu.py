@@ -159,8 +159,8 @@ def test_no_compiler_warns_once_and_leaves_the_torch_passes(monkeypatch, fresh_b
 
 def test_a_failing_compiler_is_reported_with_its_message(monkeypatch, fresh_build, tmp_path):
     fake = tmp_path / "fake-cc"
-    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\necho 'fake-cc: cannot build' >&2\n"
-                    "exit 1\n")
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
+                    "echo 'fake-cc: cannot build' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     with pytest.warns(RuntimeWarning, match="fake-cc: cannot build"):
