@@ -56,7 +56,7 @@ def test_model_profile_round_trip(h100x2, tmp_path):
     again = load_profile(path)
     assert again.to_dict() == prof.to_dict()
     assert again.digest() == prof.digest()
-    assert json.loads(path.read_text())["schema_version"] == 2
+    assert json.loads(path.read_text())["schema_version"] == 3
     # Every size x algorithm evaluated, 1 KiB .. 1 GiB.
     sizes = sorted({r.nbytes for r in again.sweep})
     assert sizes[0] == 1024 and sizes[-1] == 1 << 30
@@ -121,8 +121,9 @@ def _corrupt_variants(good: dict):
     yield "not-json", "{ this is not json"
     yield "truncated", json.dumps(good)[:-40]
     yield "array", "[1, 2, 3]"
-    d = dict(good, schema_version=3)
+    d = dict(good, schema_version=4)
     yield "future-schema", json.dumps(d)
+    yield "v2-with-formats", json.dumps(dict(good, schema_version=2, formats=None))
     yield "schema-true", json.dumps(dict(good, schema_version=True))
     yield "v1-with-calibration", json.dumps(dict(good, schema_version=1, calibration=None))
     yield "bad-calibration", json.dumps(dict(good, calibration={"algorithms": {"ring": {"latency_scale": -2}}}))
@@ -431,13 +432,13 @@ def test_a_version_1_profile_still_loads(tmp_path, monkeypatch):
     old = json.loads(V1_FILE.read_text())
     assert old["schema_version"] == 1 and "calibration" not in old
     p = load_profile(V1_FILE)
-    assert p.schema_version == 2 and p.calibration is None
+    assert p.schema_version == 3 and p.calibration is None and p.formats is None
     assert [t.to_dict() for t in p.table] == old["table"] and p.bucket_cap_mb == old["bucket_cap_mb"]
     assert [r.to_dict() for r in p.sweep] == old["sweep"] and p.notes == old["notes"]
     assert p.algorithm_for(1 << 30) == "nvls_tree"
-    # Written back as version 2; read again, the same profile.
+    # Written back as version 3; read again, the same profile.
     again = load_profile(p.save(tmp_path / "p.json"))
-    assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 2
+    assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 3
     assert again.to_dict() == p.to_dict()
     # In the cache, where the hook looks, it is found as well.
     cached = cache_path(old["topology_fingerprint"], 16, 2, "bfloat16")
@@ -445,6 +446,73 @@ def test_a_version_1_profile_still_loads(tmp_path, monkeypatch):
     cached.write_text(V1_FILE.read_text())
     found = find_cached_profile(old["topology_fingerprint"], 16, 2, "bfloat16")
     assert found is not None and found.digest() == p.digest()
+
+
+V2_FILE = Path(__file__).resolve().parent / "data" / "profile_v2_dgx_h100_2nodes.json"
+
+
+def test_a_version_2_profile_still_loads_without_formats(tmp_path):
+    # V2_FILE was written by `ddp-triton autotune --model-only --topology dgx-h100 --nodes 2 --inter-node-gbps 400
+    # --max-bytes 64M` before profiles chose wire formats (schema version 2).
+    old = json.loads(V2_FILE.read_text())
+    assert old["schema_version"] == 2 and "formats" not in old
+    p = load_profile(V2_FILE)
+    assert p.schema_version == 3 and p.formats is None and p.format_for(1 << 20) is None
+    assert [t.to_dict() for t in p.table] == old["table"] and [r.to_dict() for r in p.sweep] == old["sweep"]
+    again = load_profile(p.save(tmp_path / "p.json"))
+    assert json.loads((tmp_path / "p.json").read_text())["formats"] is None and again.to_dict() == p.to_dict()
+    with pytest.raises(ProfileError, match="chooses no wire formats"):
+        p.check_matches(comm_dtype="auto")
+
+
+def _with_formats(**changes):
+    from ddp_triton.machine.profile import FormatChoice, FormatRange, FormatRow
+
+    choice = dict(source="model", allowed=["fp32", "bf16", "fp8e4m3+ef"], admitted=["fp32", "fp8e4m3+ef"],
+                  table=[FormatRange(0, 1 << 20, "fp32", "fastest allowed"),
+                         FormatRange((1 << 20) + 1, None, "fp8e4m3+ef", "fastest allowed")],
+                  rows=[FormatRow(1 << 20, "fp32", 10.0, 9.0), FormatRow(1 << 20, "fp8e4m3+ef", 12.0, None)],
+                  host="test", notes=["why"])
+    choice.update(changes)
+    return small_profile(formats=FormatChoice(**choice))
+
+
+def test_a_profile_with_formats_round_trips_and_looks_sizes_up(tmp_path):
+    p = _with_formats()
+    again = load_profile(p.save(tmp_path / "p.json"))
+    assert again.to_dict() == p.to_dict() and again.digest() == p.digest()
+    assert [again.format_for(n) for n in (0, 1 << 20, (1 << 20) + 1, 1 << 40)] == \
+        ["fp32", "fp32", "fp8e4m3+ef", "fp8e4m3+ef"]
+    assert "fp8e4m3+ef: fastest allowed" in again.summary()
+    again.check_matches(comm_dtype="auto")  # a formats profile serves comm_dtype="auto" whatever its own dtype
+    # What a rank does depends on the ranges: the digest covers them, not the timings or the notes.
+    assert _with_formats(notes=[], rows=[]).digest() == p.digest()
+    from ddp_triton.machine.profile import FormatRange
+    moved = _with_formats(table=[FormatRange(0, 1 << 19, "fp32"), FormatRange((1 << 19) + 1, None, "fp8e4m3+ef")])
+    assert moved.digest() != p.digest() and p.digest() != small_profile().digest()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(admitted=[]), "at least one"),
+    (dict(allowed=["fp9"]), "unknown wire format 'fp9'"),
+    (dict(admitted=["bf16+ef"]), "error feedback"),
+    (dict(source="guess"), "source"),
+    (dict(admitted=["fp32"]), "admitted does not list"),
+])
+def test_a_bad_formats_section_is_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _with_formats(**bad)
+
+
+def test_a_formats_section_with_a_gap_or_unknown_field_is_refused(tmp_path):
+    d = _with_formats().to_dict()
+    d["formats"]["table"][1]["min_bytes"] += 1
+    with pytest.raises(ProfileError, match="contiguous"):
+        Profile.from_json(json.dumps(d))
+    d = _with_formats().to_dict()
+    d["formats"]["rows"][0]["speed"] = 1
+    with pytest.raises(ProfileError, match="speed"):
+        Profile.from_json(json.dumps(d))
 
 
 def test_a_calibration_round_trips_in_a_profile(tmp_path):

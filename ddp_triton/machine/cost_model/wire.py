@@ -33,9 +33,8 @@ fabric of one rank per node with 1/ppn of the node's rate. The stages run one af
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import List, Tuple
-
-from dataclasses import replace
 
 from .fabric import PROTOCOLS, Fabric, _SIMPLE
 from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, _latency_parts, _plateau, inter_gbps_nccl,
@@ -167,3 +166,137 @@ def two_level_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> floa
                     calibration=None)
     inside = 2 * all_gather_time_us(node, ppn * part * 4)  # reduce-scatter + all-gather of the float32 bucket
     return inside + wire_format_time_us(cross, part, wire_format)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The runtime's format names, and what a bucket costs in each: the wire plus the host
+# --------------------------------------------------------------------------------------------------------------------
+
+#: What each 16-bit or 32-bit short name travels as in an all-reduce, and the FP8 formats' names.
+_ALL_REDUCE_NAMES = ("fp32", "bf16", "fp16")
+_FP8_NAMES = ("fp8e4m3", "fp8e5m2")
+#: The prefix of the two-level forms in a format's name (``two-level fp8e4m3+ef``); ``two-level-`` is read too.
+TWO_LEVEL = "two-level "
+
+
+@dataclass(frozen=True)
+class FormatName:
+    """A wire format as the runtime names it (``bf16``, ``bf16+fp32sum``, ``fp8e4m3+ef``, ``two-level fp8e4m3+ef``):
+    the dtype on the wire, whether the sum is float32 (all-to-all and all-gather), error feedback, two-level."""
+
+    wire: str
+    """``fp32``, ``bf16``, ``fp16``, ``fp8e4m3`` or ``fp8e5m2``."""
+    fp32_sum: bool = False
+    error_feedback: bool = False
+    two_level: bool = False
+
+    @property
+    def name(self) -> str:
+        name = self.wire + ("+fp32sum" if self.fp32_sum and self.wire in ("bf16", "fp16") else "")
+        name += "+ef" if self.error_feedback else ""
+        return TWO_LEVEL + name if self.two_level else name
+
+    @property
+    def traffic(self) -> str:
+        """The name of ``WIRE_FORMATS`` that travels as this format does (what the pricing functions take)."""
+        return canonical_wire_format(self.name[len(TWO_LEVEL):] if self.two_level else self.name)
+
+    @property
+    def staged(self) -> bool:
+        """Exchanged in several collectives (through the runtime's exchange queue) rather than one all-reduce."""
+        return self.two_level or self.traffic not in _ALL_REDUCE_ITEMSIZE
+
+
+def parse_format(name: str) -> FormatName:
+    """The FormatName of a runtime format name; ValueError naming what is wrong. FP8 sums are always float32 and
+    16-bit formats have no error feedback (``runtime.wire.resolve_wire_format``'s rules)."""
+    if not isinstance(name, str):
+        raise ValueError(f"a wire format name is a string, got {type(name).__name__}")
+    text = name.strip()
+    two_level = text.startswith((TWO_LEVEL, "two-level-"))
+    rest = text[len(TWO_LEVEL):] if two_level else text
+    parts = rest.split("+")
+    wire, extras = parts[0], parts[1:]
+    known = ", ".join(example_format_names())
+    if wire not in _ALL_REDUCE_NAMES + _FP8_NAMES or len(set(extras)) != len(extras) \
+            or not set(extras) <= {"fp32sum", "ef"}:
+        raise ValueError(f"unknown wire format {name!r}; known: {known}")
+    if "ef" in extras and wire not in _FP8_NAMES:
+        raise ValueError(f"wire format {name!r}: error feedback (+ef) is for the FP8 formats only")
+    if "fp32sum" in extras and wire not in ("bf16", "fp16"):
+        raise ValueError(f"wire format {name!r}: +fp32sum is for bf16 and fp16 (fp32 sums in float32 already, "
+                         "FP8 always does)")
+    return FormatName(wire, fp32_sum="fp32sum" in extras or wire in _FP8_NAMES, error_feedback="ef" in extras,
+                      two_level=two_level)
+
+
+def example_format_names() -> Tuple[str, ...]:
+    """Every flat format name (each also comes two-level, ``two-level <name>``)."""
+    return ("fp32", "bf16", "fp16", "bf16+fp32sum", "fp16+fp32sum", "fp8e4m3+ef", "fp8e5m2+ef", "fp8e4m3",
+            "fp8e5m2")
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """What a bucket costs on the host and in its passes, besides the wire: a fixed cost per bucket (the hook, the
+    first collective's call, the completion), a cost per further collective a staged format issues (the exchange
+    queue, the call, the completion), and the format's passes over the bucket per float32 element (pack and unpack;
+    FP8's quantize, reduce and dequantize; a two-level exchange's copies)."""
+
+    bucket_us: float
+    collective_us: float
+    ns_per_element: Tuple[Tuple[str, float], ...]
+    """(``WIRE_FORMATS`` name, ns per bucket element of its passes on the whole bucket); two-level formats run them on
+    1/ppn of the bucket plus ``two_level_ns_per_element``."""
+    two_level_ns_per_element: float = 0.0
+    source: str = ""
+    """Where the numbers come from."""
+
+    def passes_ns(self, traffic: str) -> float:
+        return dict(self.ns_per_element)[traffic]
+
+
+#: The host of a CPU gloo rank (``runtime`` on CPU tensors, the FP8 passes compiled): bench.hook_cost's extra host
+#: time per bucket over DDP without a hook (51.5 us for float32, 162 for bf16 + float32 sums, 147 for FP8: one more
+#: collective each, about 100 us) and bench.wire_kernels --cpu's passes per element (one thread, 25 MiB), both on
+#: an AMD EPYC with 2 cores, torch 2.13 (bench/RESULTS.md, 2026-12-01).
+CPU_HOST_COST = HostCost(
+    bucket_us=51.5, collective_us=100.0,
+    ns_per_element=(("fp32", 0.12), ("bf16", 0.35), ("fp16", 0.35), ("bf16+fp32sum", 0.55), ("fp8", 0.83)),
+    two_level_ns_per_element=0.25,
+    source="CPU ranks on gloo: bench.hook_cost and bench.wire_kernels --cpu, AMD EPYC, 2026-12-01")
+
+#: The host of a GPU rank: 66 us per bucket (the H200's bench.ddp_step, ``profile.DEFAULT_HOST_US_PER_BUCKET``); the
+#: passes are kernels at HBM rate (about 12 bytes per element for the 16-bit formats' pack and unpack, 30 for FP8's,
+#: at 3 TB/s). The further collective's cost is the CPU's figure: not measured on a GPU.
+GPU_HOST_COST = HostCost(
+    bucket_us=66.0, collective_us=100.0,
+    ns_per_element=(("fp32", 0.0), ("bf16", 0.004), ("fp16", 0.004), ("bf16+fp32sum", 0.005), ("fp8", 0.010)),
+    two_level_ns_per_element=0.003,
+    source="GPU ranks: the H200's host time per bucket (bench.ddp_step); kernels at HBM rate; the further "
+           "collective's cost as measured on CPU (not on a GPU)")
+
+
+def collectives_of(fmt: FormatName, fabric: Fabric) -> int:
+    """How many collectives a bucket in ``fmt`` issues on ``fabric`` (two-level falls back to flat on one node or
+    with one rank per node, as the runtime does)."""
+    flat = 1 if fmt.traffic in _ALL_REDUCE_ITEMSIZE else 2
+    if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
+        return flat + 2  # the node's reduce-scatter (or all-reduce) and all-gather
+    return flat
+
+
+def host_time_us(fabric: Fabric, n_elements: int, fmt: FormatName, host: HostCost) -> float:
+    """The host and pass time of one bucket of ``n_elements`` float32 gradients in ``fmt``."""
+    passes = host.passes_ns(fmt.traffic)
+    if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
+        passes = passes / fabric.ranks_per_node + host.two_level_ns_per_element
+    return host.bucket_us + (collectives_of(fmt, fabric) - 1) * host.collective_us + passes * n_elements * 1e-3
+
+
+def bucket_time_us(fabric: Fabric, n_elements: int, fmt: "FormatName | str", host: HostCost) -> float:
+    """Predicted time of one bucket of ``n_elements`` float32 gradients in ``fmt`` (a FormatName or its name): the
+    wire (``wire_format_time_us``, or ``two_level_time_us``) plus ``host_time_us``."""
+    fmt = parse_format(fmt) if isinstance(fmt, str) else fmt
+    wire = (two_level_time_us if fmt.two_level else wire_format_time_us)(fabric, n_elements, fmt.traffic)
+    return wire + host_time_us(fabric, n_elements, fmt, host)

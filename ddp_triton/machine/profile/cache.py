@@ -16,7 +16,7 @@ from typing import Any, Optional
 from ...dtypes import normalize_dtype
 from ...log import warn_once
 from ...safe_write import OutputError, atomic_write_text, check_writable_folder, check_writable_target
-from .schema import Profile, ProfileError
+from .schema import AUTO_FORMAT, Profile, ProfileError
 
 def cache_dir() -> Path:
     """Where profiles are cached: ``$XDG_CACHE_HOME/ddp-triton``, else ``~/.cache/ddp-triton``."""
@@ -36,16 +36,20 @@ def profile_fingerprint(topo: Any) -> str:
 
 
 def cache_path(fingerprint: str, world_size: int, nodes: int, comm_dtype: str) -> Path:
-    """The cache file for one (topology, world size, nodes, dtype)."""
+    """The cache file for one (topology, world size, nodes, dtype); ``comm_dtype`` ``"auto"``: the profile that
+    chooses the wire format per bucket size (``autotune --formats``)."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", fingerprint or "unknown")[:80]
-    return cache_dir() / f"profile-{safe}-w{int(world_size)}-n{int(nodes)}-{normalize_dtype(comm_dtype)}.json"
+    kind = "formats" if comm_dtype == AUTO_FORMAT else normalize_dtype(comm_dtype)
+    return cache_dir() / f"profile-{safe}-w{int(world_size)}-n{int(nodes)}-{kind}.json"
 
 
 def cache_path_of(profile: Profile) -> Optional[Path]:
-    """The cache file ``save_to_cache`` writes ``profile`` to; None without a fingerprint."""
+    """The cache file ``save_to_cache`` writes ``profile`` to; None without a fingerprint. A profile that chooses
+    wire formats is kept apart from the per-dtype ones: it serves the hook's ``comm_dtype="auto"``."""
     if not profile.topology_fingerprint:
         return None
-    return cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes, profile.comm_dtype)
+    kind = AUTO_FORMAT if profile.formats is not None else profile.comm_dtype
+    return cache_path(profile.topology_fingerprint, profile.world_size, profile.nodes, kind)
 
 
 def check_cache_writable(profile: Optional[Profile] = None) -> None:

@@ -3,10 +3,10 @@
 A profile is what ``ddp-triton autotune`` writes and what the hook's state reads. It is JSON only (never pickle),
 validated on load, and cached per topology under the user's cache directory so the hook finds it without flags.
 
-Schema, version 2 (``SCHEMA_VERSION``)::
+Schema, version 3 (``SCHEMA_VERSION``)::
 
     {
-      "schema_version": 2,
+      "schema_version": 3,
       "source": "model" | "measured" | "e2e",   # cost model, timed all-reduces, or timed training steps
       "world_size": 16, "nodes": 2,
       "comm_dtype": "bfloat16",                 # dtype the hook all-reduces in
@@ -29,11 +29,21 @@ Schema, version 2 (``SCHEMA_VERSION``)::
                                 "points": 21}, ...},
         "ranks_per_node": 8, "nodes": 1, "arch": "hopper", "intra_link": "nvlink", "backend": "nccl",
         "node_fingerprint": "..."},            # ddp_triton.machine.cost_model.Calibration
+      "formats": null | {                       # version 3: the wire format per bucket size (autotune --formats)
+        "source": "model" | "measured",
+        "allowed": ["fp32", "bf16", "bf16+fp32sum"],   # what the user accepts (runtime names, canonical)
+        "admitted": ["fp32", "bf16+fp32sum"],          # what was chosen among, after the accuracy rule
+        "table": [                              # by the bucket's gradient bytes, contiguous from 0, last unbounded
+          {"min_bytes": 0, "max_bytes": 741455, "format": "fp32", "reason": "fastest allowed (...)"}, ...],
+        "rows": [{"bytes": 262144, "format": "fp32", "time_us": 80.5, "model_us": 75.0}, ...],  # model_us: null
+        "host": "...",                          # where the host cost per bucket came from
+        "notes": ["bf16+fp32sum in place of bf16: ..."]},
       "notes": ["..."]
     }
 
-Older files load: version 1 is version 2 without ``calibration`` (it loads as version 2 with ``calibration``
-null, and is written back as version 2). A version this code does not know is refused.
+Older files load: version 1 is version 2 without ``calibration``, version 2 is version 3 without ``formats``
+(null: the hook sends every bucket in its own ``comm_dtype``); they are written back as version 3. A version this
+code does not know is refused.
 
 Algorithm names are ``ddp_triton.machine.cost_model.ALGORITHMS`` (ring, tree, nvls, nvls_tree).
 """
@@ -52,12 +62,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ...dtypes import normalize_dtype
 from ...safe_write import OutputError, atomic_write_text
-from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration
+from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration, parse_format
 
-SCHEMA_VERSION = 2
-#: Versions ``from_dict`` reads: 1 (before calibrations) is read as 2 without one.
-SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: Versions ``from_dict`` reads: 1 (before calibrations) and 2 (before formats) are read as 3 without them.
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
 SOURCES = ("model", "measured", "e2e")
+#: The hook's ``comm_dtype`` that takes each bucket's wire format from a profile's ``formats``.
+AUTO_FORMAT = "auto"
 BACKENDS = ("nccl", "gloo", "model")
 MiB = 1 << 20
 
@@ -84,8 +96,12 @@ def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> N
 _PROFILE_FIELDS_V1 = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb",
                       "bucket_reason", "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions",
                       "created", "e2e", "notes")
-_PROFILE_FIELDS = _PROFILE_FIELDS_V1 + ("calibration",)
-_FIELDS_BY_VERSION = {1: _PROFILE_FIELDS_V1, 2: _PROFILE_FIELDS}
+_PROFILE_FIELDS_V2 = _PROFILE_FIELDS_V1 + ("calibration",)
+_PROFILE_FIELDS = _PROFILE_FIELDS_V2 + ("formats",)
+_FIELDS_BY_VERSION = {1: _PROFILE_FIELDS_V1, 2: _PROFILE_FIELDS_V2, 3: _PROFILE_FIELDS}
+_FORMATS_FIELDS = ("source", "allowed", "admitted", "table", "rows", "host", "notes")
+_FORMAT_RANGE_FIELDS = ("min_bytes", "max_bytes", "format", "reason")
+_FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us")
 _TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
 _SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
 
@@ -186,6 +202,146 @@ class TableEntry:
                    protocol=d.get("protocol"))
 
 
+def _format_name(name: Any, where: str) -> str:
+    try:
+        return parse_format(name).name
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _contiguous(ranges: Sequence[Any], what: str) -> None:
+    """ValueError unless ``ranges`` (with min_bytes, max_bytes) start at 0, follow on, and end unbounded."""
+    if not ranges:
+        raise ValueError(f"{what} must have at least one entry")
+    if ranges[0].min_bytes != 0:
+        raise ValueError(f"{what} must start at 0 bytes, starts at {ranges[0].min_bytes}")
+    for prev, nxt in zip(ranges, ranges[1:]):
+        if prev.max_bytes is None or nxt.min_bytes != prev.max_bytes + 1:
+            raise ValueError(f"{what} ranges must be contiguous: {prev.to_dict()} then {nxt.to_dict()}")
+    if ranges[-1].max_bytes is not None:
+        raise ValueError(f"the last {what} range must be unbounded (max_bytes null), got {ranges[-1].to_dict()}")
+
+
+@dataclass
+class FormatRow:
+    """One bucket size (gradient bytes) in one wire format: its time, measured or modelled, and the model's."""
+
+    nbytes: int
+    format: str
+    time_us: float
+    model_us: Optional[float] = None
+    """The cost model's time for it (wire and host); None when the model could not describe the machine."""
+
+    def __post_init__(self) -> None:
+        where = "format row"
+        self.nbytes = _int(self.nbytes, "bytes", where, 1)
+        self.format = _format_name(self.format, where)
+        self.time_us = _finite_nonneg(self.time_us, "time_us", where)
+        if self.model_us is not None:
+            self.model_us = _finite_nonneg(self.model_us, "model_us", where)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"bytes": self.nbytes, "format": self.format, "time_us": self.time_us, "model_us": self.model_us}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRow":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"format row must be an object, got {d!r}")
+        return cls(nbytes=d["bytes"], format=d["format"], time_us=d["time_us"], model_us=d.get("model_us"))
+
+
+@dataclass
+class FormatRange:
+    """Buckets of ``min_bytes`` to ``max_bytes`` gradient bytes (inclusive; None: no bound) travel in ``format``."""
+
+    min_bytes: int
+    max_bytes: Optional[int]
+    format: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        where = "format range"
+        self.min_bytes = _int(self.min_bytes, "min_bytes", where, 0)
+        if self.max_bytes is not None:
+            self.max_bytes = _int(self.max_bytes, "max_bytes", where, self.min_bytes)
+        self.format = _format_name(self.format, where)
+        if not isinstance(self.reason, str):
+            raise ValueError(f"{where}: reason must be a string, got {self.reason!r}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "format": self.format,
+                "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRange":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"format range must be an object, got {d!r}")
+        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], format=d["format"],
+                   reason=d.get("reason", ""))
+
+
+@dataclass
+class FormatChoice:
+    """The wire format per bucket size: the formats allowed, those chosen among, the ranges and the timings."""
+
+    source: str
+    """``model`` or ``measured``."""
+    allowed: List[str]
+    admitted: List[str]
+    table: List[FormatRange]
+    rows: List[FormatRow] = field(default_factory=list)
+    host: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.source not in ("model", "measured"):
+            raise ValueError(f"formats: source must be 'model' or 'measured', got {self.source!r}")
+        for key in ("allowed", "admitted", "notes"):
+            if not isinstance(getattr(self, key), list):
+                raise ValueError(f"formats: {key} must be a list, got {getattr(self, key)!r}")
+        self.allowed = [_format_name(f, "formats.allowed") for f in self.allowed]
+        self.admitted = [_format_name(f, "formats.admitted") for f in self.admitted]
+        if not self.admitted:
+            raise ValueError("formats: admitted must name at least one format")
+        if not isinstance(self.table, list) or not isinstance(self.rows, list):
+            raise ValueError("formats: table and rows must be lists")
+        self.table = [t if isinstance(t, FormatRange) else FormatRange.from_dict(t) for t in self.table]
+        self.rows = [r if isinstance(r, FormatRow) else FormatRow.from_dict(r) for r in self.rows]
+        _contiguous(self.table, "formats table")
+        stray = sorted({t.format for t in self.table} - set(self.admitted))
+        if stray:
+            raise ValueError(f"formats: the table uses {', '.join(stray)}, which admitted does not list")
+        if not isinstance(self.host, str) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError("formats: host and notes must be strings")
+        self._maxes = [t.max_bytes for t in self.table[:-1]]
+
+    def format_for(self, grad_bytes: int) -> str:
+        """The format of a bucket of ``grad_bytes`` gradient bytes."""
+        return self.table[bisect.bisect_left(self._maxes, grad_bytes)].format
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"source": self.source, "allowed": list(self.allowed), "admitted": list(self.admitted),
+                "table": [t.to_dict() for t in self.table], "rows": [r.to_dict() for r in self.rows],
+                "host": self.host, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FormatChoice":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"formats must be null or an object, got {d!r}")
+        _refuse_unknown(d, _FORMATS_FIELDS, "formats: ")
+        for key, known in (("table", _FORMAT_RANGE_FIELDS), ("rows", _FORMAT_ROW_FIELDS)):
+            entries = d.get(key)
+            if isinstance(entries, list):
+                for i, entry in enumerate(entries):
+                    if isinstance(entry, Mapping):
+                        _refuse_unknown(entry, known, f"formats.{key}[{i}]: ")
+        try:
+            return cls(source=d["source"], allowed=d["allowed"], admitted=d["admitted"], table=d["table"],
+                       rows=d.get("rows") or [], host=d.get("host", ""), notes=d.get("notes") or [])
+        except KeyError as e:
+            raise ValueError(f"formats: missing field {e.args[0]!r}") from None
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The profile
 # --------------------------------------------------------------------------------------------------------------------
@@ -226,6 +382,8 @@ class Profile:
     calibration: Optional[Calibration] = None
     """The cost model's factors fitted to this profile's measured sweep (measure mode), or carried by a model profile
     made with ``--calibration``; None otherwise."""
+    formats: Optional[FormatChoice] = None
+    """The wire format per bucket size (``autotune --formats``); None: every bucket in the hook's own format."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -233,6 +391,8 @@ class Profile:
             raise ValueError(f"schema_version {self.schema_version!r} is not {SCHEMA_VERSION}")
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
             self.calibration = Calibration.from_dict(self.calibration)
+        if self.formats is not None and not isinstance(self.formats, FormatChoice):
+            self.formats = FormatChoice.from_dict(self.formats)
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         if self.backend not in BACKENDS:
@@ -248,15 +408,7 @@ class Profile:
         self.bucket_cap_mb = float(self.bucket_cap_mb)
         self.sweep = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in self.sweep]
         self.table = [t if isinstance(t, TableEntry) else TableEntry.from_dict(t) for t in self.table]
-        if not self.table:
-            raise ValueError("table must have at least one entry")
-        if self.table[0].min_bytes != 0:
-            raise ValueError(f"table must start at 0 bytes, starts at {self.table[0].min_bytes}")
-        for prev, nxt in zip(self.table, self.table[1:]):
-            if prev.max_bytes is None or nxt.min_bytes != prev.max_bytes + 1:
-                raise ValueError(f"table ranges must be contiguous: {prev.to_dict()} then {nxt.to_dict()}")
-        if self.table[-1].max_bytes is not None:
-            raise ValueError(f"the last table range must be unbounded (max_bytes null), got {self.table[-1].to_dict()}")
+        _contiguous(self.table, "table")
         if not isinstance(self.versions, dict):
             raise ValueError(f"versions must be an object, got {self.versions!r}")
         if not isinstance(self.notes, list) or not all(isinstance(n, str) for n in self.notes):
@@ -271,6 +423,11 @@ class Profile:
         """The algorithm for an all-reduce of ``nbytes`` bytes (a bisect over the table: cheap on the step path)."""
         return self.table[bisect.bisect_left(self._maxes, nbytes)].algorithm
 
+    def format_for(self, grad_bytes: int) -> Optional[str]:
+        """The wire format (runtime name) of a bucket of ``grad_bytes`` gradient bytes; None: the profile chooses
+        none (the hook's own)."""
+        return None if self.formats is None else self.formats.format_for(grad_bytes)
+
     def algorithms(self) -> List[str]:
         """Algorithms the table uses, in canonical order (the order process groups are created in)."""
         used = {t.algorithm for t in self.table}
@@ -280,13 +437,20 @@ class Profile:
         """sha256 of what changes behaviour on a rank: sizes, dtype, bucket size and table (not timestamps)."""
         key = {"schema_version": self.schema_version, "world_size": self.world_size, "nodes": self.nodes,
                "comm_dtype": self.comm_dtype, "bucket_cap_mb": self.bucket_cap_mb,
-               "table": [t.to_dict() for t in self.table]}
+               "table": [t.to_dict() for t in self.table],
+               "formats": None if self.formats is None else [t.to_dict() for t in self.formats.table]}
         return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def check_matches(self, *, fingerprint: Optional[str] = None, world_size: Optional[int] = None,
                       nodes: Optional[int] = None, comm_dtype: Optional[str] = None,
                       path: Optional[PathLike] = None) -> None:
-        """Raise ProfileError naming the first field that differs from what the caller runs with."""
+        """Raise ProfileError naming the first field that differs from what the caller runs with. ``comm_dtype``
+        ``"auto"`` (a hook that takes each bucket's format from the profile) asks for a profile with ``formats``."""
+        if comm_dtype == AUTO_FORMAT:
+            if self.formats is None:
+                raise ProfileError("the profile chooses no wire formats (comm_dtype='auto' needs one made with "
+                                   "`ddp-triton autotune --formats ...`)", path)
+            comm_dtype = None
         wanted = {"topology_fingerprint": fingerprint, "world_size": world_size, "nodes": nodes,
                   "comm_dtype": None if comm_dtype is None else normalize_dtype(comm_dtype)}
         for name, want in wanted.items():
@@ -311,6 +475,13 @@ class Profile:
             lines.append(f"e2e winner: {self.e2e.get('winner')}")
         if self.calibration is not None:
             lines.append(self.calibration.summary())
+        if self.formats is not None:
+            lines.append(f"wire format by bucket size ({self.formats.source}; allowed: "
+                         f"{', '.join(self.formats.allowed)}):")
+            for t in self.formats.table:
+                hi = "inf" if t.max_bytes is None else format_bytes(t.max_bytes)
+                lines.append(f"  {format_bytes(t.min_bytes):>10} .. {hi:<10} {t.format}: {t.reason}")
+            lines.extend(f"  note: {n}" for n in self.formats.notes)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -324,13 +495,13 @@ class Profile:
                 "topology_name": self.topology_name, "backend": self.backend, "versions": dict(self.versions),
                 "created": self.created, "e2e": self.e2e,
                 "calibration": None if self.calibration is None else self.calibration.to_dict(),
-                "notes": list(self.notes)}
+                "formats": None if self.formats is None else self.formats.to_dict(), "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
         """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content. A field the
         schema does not have (a misspelt one, say), at the top or in a table or sweep entry, is refused by name, as
-        topology files refuse theirs. A version 1 file becomes a version 2 profile without a calibration."""
+        topology files refuse theirs. A version 1 or 2 file becomes a version 3 profile without what it lacks."""
         if not isinstance(d, Mapping):
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
@@ -353,7 +524,8 @@ class Profile:
                 topology_fingerprint=str(d.get("topology_fingerprint", "")),
                 topology_name=str(d.get("topology_name", "")), backend=d.get("backend", "nccl"),
                 versions=dict(d.get("versions") or {}), created=str(d.get("created", "")), e2e=d.get("e2e"),
-                notes=list(notes) if isinstance(notes, list) else notes, calibration=d.get("calibration"))
+                notes=list(notes) if isinstance(notes, list) else notes, calibration=d.get("calibration"),
+                formats=d.get("formats"))
         except KeyError as e:
             raise ValueError(f"missing field {e.args[0]!r}") from None
         except TypeError as e:

@@ -1,0 +1,175 @@
+"""Which wire format each bucket size travels in: the fastest of the formats a user allows, and the one accuracy rule
+the tuner applies on its own.
+
+Accuracy is the user's choice (``autotune --formats``), with one exception: a bf16 ring sums in bf16 and rounds
+at every hop, so its error grows with the ranks it crosses, while bf16 with float32 sums sends the same bytes and
+rounds twice whatever the world size. Where ``ring_error`` (a seeded simulation of both sums) puts plain bf16 more
+than ``ERROR_RATIO_LIMIT`` times above bf16 with float32 sums, the latter takes plain bf16's place among the
+allowed formats, and the profile says why. A two-level bf16 is judged at its cross hop's size, the node count.
+
+Sizes here are a bucket's gradient bytes (float32 gradients: what DDP's ``bucket_cap_mb`` counts), not the bytes
+on the wire: the hook looks a bucket's format up by its size before it knows how it travels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import cost_model as cm
+from .schema import FormatChoice, FormatRange, FormatRow, format_bytes
+
+#: Plain bf16 gives way to bf16 with float32 sums where its modelled error is more than this many times larger.
+ERROR_RATIO_LIMIT = 2.0
+#: What ``autotune --formats`` admits by default: no FP8 (its accuracy is the user's call).
+DEFAULT_FORMATS: Tuple[str, ...] = ("fp32", "bf16", "bf16+fp32sum")
+#: Bucket sizes (gradient bytes) the format choice is evaluated at by default: 256 KiB to 1 GiB, powers of two.
+DEFAULT_BUCKET_SIZES: Tuple[int, ...] = tuple(1 << k for k in range(18, 31))
+#: Two formats within this fraction of each other at a size count as tied; the previous size's format is kept.
+FORMAT_TIE_TOLERANCE = 0.03
+
+_SIM_ELEMENTS = 4096
+_TAIL_DF = 3
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even), as float32: integer rounding of the bits (finite values)."""
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
+def _student_t(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:
+    z = rng.standard_normal(shape)
+    chi2 = (rng.standard_normal((_TAIL_DF,) + shape) ** 2).sum(axis=0) / _TAIL_DF
+    return z / np.sqrt(chi2)
+
+
+def ring_error(world_size: int, fp32_sum: bool, seed: int = 0) -> float:
+    """Modelled relative L2 error of the bf16 average over ``world_size`` ranks: a ring summing in bf16 (rounding
+    after every addition), or (``fp32_sum``) bf16 values summed in float32 and rounded once.
+
+    Gradients as ``bench.numerics`` draws them (a fixed Student-t signal plus per-rank Student-t noise, 4096
+    elements, seeded): the simulation gives 0.30% / 0.18% at 8 ranks, 0.82% / 0.16% at 64, 16% / 0.16% at 512.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    rng = np.random.default_rng(seed)
+    signal = _student_t(rng, (_SIM_ELEMENTS,))
+    grads = (_student_t(rng, (world_size, _SIM_ELEMENTS)) + signal).astype(np.float32)
+    exact = grads.astype(np.float64).mean(axis=0)
+    sent = _to_bf16(grads * np.float32(1.0 / world_size))
+    total = sent[0].copy() if not fp32_sum else np.zeros(_SIM_ELEMENTS, dtype=np.float32)
+    for r in range(0 if fp32_sum else 1, world_size):
+        total = total + sent[r] if fp32_sum else _to_bf16(total + sent[r])
+    result = _to_bf16(total) if fp32_sum else total
+    return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
+
+
+def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tuple[List[str], Dict[str, str]]:
+    """The formats the tuner chooses among, and for each that stands in for another, why: each name canonical
+    (ValueError
+    on an unknown one), and plain bf16 (flat, or two-level across ``nodes``) replaced by bf16 with float32 sums
+    where ``ring_error`` puts it more than ``ERROR_RATIO_LIMIT`` times worse."""
+    if not allowed:
+        raise ValueError("no wire formats allowed: name at least one")
+    names: List[str] = []
+    for name in allowed:
+        canonical = cm.parse_format(name).name
+        if canonical not in names:
+            names.append(canonical)
+    reasons: Dict[str, str] = {}
+    out: List[str] = []
+    for name in names:
+        fmt = cm.parse_format(name)
+        if fmt.wire == "bf16" and not fmt.fp32_sum:
+            ranks = nodes if fmt.two_level else world_size
+            plain, summed = ring_error(ranks, False), ring_error(ranks, True)
+            if plain > ERROR_RATIO_LIMIT * summed:
+                replacement = cm.FormatName("bf16", fp32_sum=True, two_level=fmt.two_level).name
+                reasons[replacement] = (f"in place of {name}: a bf16 ring over {ranks} ranks is modelled at "
+                                        f"{plain:.2%} relative error against {summed:.2%} with float32 sums (more "
+                                        f"than {ERROR_RATIO_LIMIT:g}x; the same bytes on the wire)")
+                name = replacement
+        if name not in out:
+            out.append(name)
+    return out, reasons
+
+
+def model_format_rows(fabric: cm.Fabric, formats: Sequence[str], sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
+                      host: cm.HostCost = cm.GPU_HOST_COST) -> List[FormatRow]:
+    """The cost model's time per bucket size (gradient bytes, float32) and format: wire plus host."""
+    rows = []
+    for size in sizes:
+        n = max(1, size // 4)
+        for name in formats:
+            t = cm.bucket_time_us(fabric, n, name, host)
+            rows.append(FormatRow(size, name, t, t))
+    return rows
+
+
+def choose_formats(rows: Sequence[FormatRow], tie_tolerance: float = FORMAT_TIE_TOLERANCE,
+                   replaced: Optional[Mapping[str, str]] = None) -> List[FormatRange]:
+    """Contiguous ranges of the fastest format per size (a size between two evaluated ones follows the nearer in
+    log scale, as ``build_table`` does for algorithms); within ``tie_tolerance`` the previous size's format stays.
+    Each range's reason names the times it was chosen on, and ``replaced[format]`` why a format stands where
+    another was allowed."""
+    by_size: Dict[int, Dict[str, float]] = {}
+    for r in rows:
+        by_size.setdefault(r.nbytes, {})[r.format] = r.time_us
+    if not by_size:
+        raise ValueError("no format timings to choose from")
+    sizes = sorted(by_size)
+    picks: List[str] = []
+    for size in sizes:
+        times = by_size[size]
+        fastest = min(times, key=lambda f: times[f])
+        if picks and picks[-1] in times and times[picks[-1]] <= times[fastest] * (1.0 + tie_tolerance):
+            fastest = picks[-1]
+        picks.append(fastest)
+    ranges: List[FormatRange] = []
+    covered: List[List[int]] = []
+    for i, (size, fmt) in enumerate(zip(sizes, picks)):
+        hi = math.isqrt(size * sizes[i + 1]) if i + 1 < len(sizes) else None
+        if ranges and ranges[-1].format == fmt:
+            ranges[-1].max_bytes = hi
+            covered[-1].append(size)
+        else:
+            lo = 0 if not ranges else ranges[-1].max_bytes + 1  # type: ignore[operator]
+            ranges.append(FormatRange(lo, hi, fmt, ""))
+            covered.append([size])
+    for r, evaluated in zip(ranges, covered):
+        r.reason = _reason(r.format, evaluated, by_size, replaced or {})
+    return ranges
+
+
+def _reason(fmt: str, sizes: List[int], by_size: Dict[int, Dict[str, float]], replaced: Mapping[str, str]) -> str:
+    """"fastest allowed", with its time and the runner-up's at the range's first and last evaluated size."""
+    wins = []
+    for size in (sizes[0], sizes[-1]) if len(sizes) > 1 else (sizes[0],):
+        times = by_size[size]
+        others = sorted((t, f) for f, t in times.items() if f != fmt)
+        against = f", next {others[0][1]} {others[0][0]:.0f} us" if others else ""
+        wins.append(f"{format_bytes(size)}: {fmt} {times[fmt]:.0f} us{against}")
+    text = "fastest allowed (" + "; ".join(wins) + ")"
+    if fmt in replaced:
+        text += f"; {replaced[fmt]}"
+    return text
+
+
+def format_choice(source: str, allowed: Sequence[str], rows: Sequence[FormatRow], replaced: Mapping[str, str],
+                  host: str) -> FormatChoice:
+    """The profile's ``formats``: the ranges chosen from ``rows`` (timed or modelled in the admitted formats)."""
+    admitted = sorted({r.format for r in rows}, key=[r.format for r in rows].index)
+    return FormatChoice(source=source, allowed=[cm.parse_format(f).name for f in allowed], admitted=admitted,
+                        table=choose_formats(rows, replaced=replaced), rows=list(rows), host=host,
+                        notes=[f"{name} {why}" for name, why in replaced.items()])
+
+
+def model_format_choice(fabric: cm.Fabric, allowed: Sequence[str], sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
+                        host: cm.HostCost = cm.GPU_HOST_COST) -> FormatChoice:
+    """The cost model's choice among ``allowed`` on ``fabric`` (after the accuracy rule), per bucket size."""
+    admitted, replaced = admitted_formats(allowed, fabric.world_size, fabric.nodes)
+    return format_choice("model", allowed, model_format_rows(fabric, admitted, sizes, host), replaced, host.source)
