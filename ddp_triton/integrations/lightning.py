@@ -65,7 +65,7 @@ class TritonHook(*_CALLBACKS):  # type: ignore[misc]  # a Callback of each Light
     def state_dict(self) -> Dict[str, Any]:
         """The error-feedback residuals of every rank, for Lightning's checkpoint (which rank 0 alone writes; every
         rank builds it, so the gather is collective as it must be). Empty without error feedback."""
-        if self.state is None or not self.state.wire.error_feedback:
+        if self.state is None or not self.state.keeps_residuals:
             return {}
         return {"residuals": self.state.all_ranks_state_dict()}
 

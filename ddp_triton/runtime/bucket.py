@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .exchange import ExchangeQueue, StagedExchange, block_fp8_exchange, float32_sum_exchange
+from .exchange import (ExchangeQueue, StagedExchange, all_reduce_exchange, block_fp8_exchange,
+                       float32_sum_exchange)
 from .nodes import NodeGroups
 from .two_level import two_level_exchange
 from .grad_stats import BucketCoverage, new_stats
@@ -167,7 +168,7 @@ class ShardedComm(BucketComm):
     def __init__(self, buffer: torch.Tensor, exchange: StagedExchange, queue: ExchangeQueue,
                  stats: Optional[torch.Tensor], record: BucketRecord,
                  residuals: Optional[LayoutResiduals]) -> None:
-        super().__init__(buffer, exchange.held[0], exchange.group, None, stats, record)
+        super().__init__(buffer, exchange.held[0] if exchange.held else buffer, exchange.group, None, stats, record)
         self.exchange, self.queue, self.residuals = exchange, queue, residuals
 
     def start(self, last: bool) -> torch.futures.Future:
@@ -181,12 +182,18 @@ class ShardedComm(BucketComm):
 
 def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: Any, world_size: int, backend: str,
                 pre_scale: float, post_scale: float, grad_stats: bool, group_for: Callable[[int], Tuple[Any, Any]],
-                residuals: ResidualStore, queue: ExchangeQueue, nodes: Optional[NodeGroups] = None) -> BucketComm:
+                residuals: ResidualStore, queue: ExchangeQueue, nodes: Optional[NodeGroups] = None,
+                mixed: bool = False) -> BucketComm:
     """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and, for FP8, its parameters).
 
     ``group_for(nbytes)`` gives the (group, algorithm) a message of that size goes to; ``nodes``, the groups of a
     two-level exchange (``wire.hierarchical``). Collective for FP8 with error feedback when its residuals move from
     an earlier layout: the caller issues it in the state's one order.
+
+    ``mixed``: the state's buckets travel in formats of their own (a profile's per-size formats). An all-reduce
+    then goes through the exchange queue too, so that every group's collectives keep one order whatever mix of
+    formats is in flight; and a bucket whose format keeps no residuals adds, once, what error feedback still owes
+    its parameters from an earlier layout (``ResidualStore.take_for_fold``: collective when there is any).
     """
     if buffer.layout != torch.strided:
         raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
@@ -196,7 +203,8 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
     stats = new_stats(buffer) if grad_stats else None
     index = bucket.index() if bucket is not None else None
     # The parameters, listed once per bucket at binding, where FP8's blocks or the statistics need them.
-    params = list(bucket.parameters()) if bucket is not None and (wire.block_scaled or grad_stats) else []
+    needs_params = wire.block_scaled or grad_stats or (mixed and not wire.error_feedback)
+    params = list(bucket.parameters()) if bucket is not None and needs_params else []
     sizes = tuple(p.numel() for p in params)
     if wire.block_scaled and sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow
         raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
@@ -212,7 +220,12 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
         entry = _bind_sharded(buffer, tuple(map(id, params)), sizes, index, wire, group, world_size, pre_scale,
                               post_scale, stats, residuals, queue)
     else:
-        entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for)
+        entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for,
+                                 queue if mixed else None)
+    if mixed and not wire.error_feedback and sum(sizes) == buffer.numel():
+        owed = residuals.take_for_fold(tuple(map(id, params)), sizes, group, buffer.device)
+        if owed is not None:
+            _fold_once(entry, owed, stats)
     if grad_stats:  # the parameters whose gradients the bucket's statistics describe
         entry.coverage = BucketCoverage(params, buffer)
     return entry
@@ -220,14 +233,19 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
 
 def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: torch.dtype, backend: str,
                      pre_scale: float, post_scale: float, stats: Optional[torch.Tensor],
-                     group_for: Callable[[int], Tuple[Any, Any]]) -> AllReduceComm:
-    """A bucket sent by one all-reduce in ``comm_dtype``, or averaged by the collective itself where it can."""
+                     group_for: Callable[[int], Tuple[Any, Any]], queue: Optional[ExchangeQueue] = None
+                     ) -> BucketComm:
+    """A bucket sent by one all-reduce in ``comm_dtype``, or averaged by the collective itself where it can; through
+    ``queue`` as a one-stage exchange where one is given."""
     target, algorithm = group_for(buffer.numel() * comm_dtype.itemsize)
     if collective_averages(backend, buffer.is_cuda, comm_dtype, buffer.dtype, algorithm):
         # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
         # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
         unpack = _nothing if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
         record = BucketRecord(index, wire_name(comm_dtype) + " (AVG)", {wire_name(comm_dtype): _bytes(buffer)}, 1)
+        if queue is not None:
+            return _queued_all_reduce(buffer, buffer, target, algorithm, stats, record, _nothing, unpack,
+                                      dist.ReduceOp.AVG, queue)
         return AllReduceComm(buffer, buffer, target, algorithm, stats, record, _nothing, unpack,
                              dist.ReduceOp.AVG)
     in_place = comm_dtype == buffer.dtype
@@ -238,7 +256,50 @@ def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: tor
     # In place at scale 1 the unpack does nothing without stats, and is the stats pass with them.
     unpack = kernels.bind_unpack(wire_buffer, [buffer], post_scale, stats=stats, canonical_nan=False)
     record = BucketRecord(index, wire_name(comm_dtype), {wire_name(comm_dtype): _bytes(wire_buffer)}, 1)
+    if queue is not None:
+        return _queued_all_reduce(buffer, wire_buffer, target, algorithm, stats, record, pack, unpack,
+                                  dist.ReduceOp.SUM, queue)
     return AllReduceComm(buffer, wire_buffer, target, algorithm, stats, record, pack, unpack, dist.ReduceOp.SUM)
+
+
+def _queued_all_reduce(buffer: torch.Tensor, wire_buffer: torch.Tensor, target: Any, algorithm: Optional[str],
+                       stats: Optional[torch.Tensor], record: BucketRecord, pack: Callable[[], None],
+                       unpack: Callable[[], None], op: Any, queue: ExchangeQueue) -> ShardedComm:
+    """The all-reduce path as a one-stage exchange of the state's queue: pack, all-reduce, unpack."""
+    exchange = all_reduce_exchange(buffer, wire_buffer, target, op, pack, unpack)
+    entry = ShardedComm(buffer, exchange, queue, stats, record, None)
+    entry.wire_buffer, entry.algorithm = wire_buffer, algorithm
+    return entry
+
+
+def _fold_once(entry: BucketComm, owed: torch.Tensor, stats: Optional[torch.Tensor]) -> None:
+    """Have ``entry``'s next completion add ``owed`` (float32, the bucket's elements) to the averaged bucket, then
+    recompute its statistics; later completions are as before."""
+    buffer = entry.buffer
+    restat = None if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
+
+    def fold() -> None:
+        buffer.copy_(buffer.float().add_(owed).to(buffer.dtype))
+        if restat is not None:
+            restat()
+
+    if entry.exchange is not None:
+        entry.exchange.finish = _FoldOnce(entry.exchange.finish, fold)
+    else:
+        entry.unpack = _FoldOnce(entry.unpack, fold)  # type: ignore[attr-defined]
+
+
+class _FoldOnce:
+    """``unpack``, then ``fold`` the first time only."""
+
+    def __init__(self, unpack: Callable[[], None], fold: Callable[[], None]) -> None:
+        self.unpack, self.fold = unpack, fold
+
+    def __call__(self) -> None:
+        self.unpack()
+        if self.fold is not None:
+            fold, self.fold = self.fold, None
+            fold()
 
 
 def _bind_sharded(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tuple[int, ...], index: Optional[int],

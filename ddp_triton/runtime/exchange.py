@@ -313,6 +313,19 @@ def _fail(result: torch.futures.Future, exc: BaseException) -> None:
         result.set_exception(exc)
 
 
+def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: Any, op: Any,
+                        pack: Callable[[], None], unpack: Callable[[], None]) -> StagedExchange:
+    """One all-reduce as a one-stage exchange (pack, all-reduce of ``wire_buffer`` with ``op``, unpack), for a state
+    whose buckets mix formats: through the queue, it keeps its place in its group's one order."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # torch >= 2.7: what dist.all_reduce(async_op=True) sets
+        opts.asyncOp = True
+    tensors = [wire_buffer]
+    stage = Stage("pack", pack, "all_reduce", lambda: group.allreduce(tensors, opts), group)
+    return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
+
+
 def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, world_size: int,
                          pre_scale: float, post_scale: float, stats: Optional[torch.Tensor]) -> ShardedExchange:
     """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack."""

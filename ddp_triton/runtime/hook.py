@@ -72,6 +72,9 @@ def average_grad(state: Any, grad: torch.Tensor) -> Any:
     Returns the gradient while being traced, as torch's hooks do; called eagerly, a completed future of it.
     """
     if isinstance(state, CommState):
+        if isinstance(state.comm_dtype, str):
+            raise ValueError("comm_dtype='auto' chooses a format per DDP bucket; compiled autograd's Python reducer "
+                             "calls the hook per parameter: give the state a fixed comm_dtype there")
         group, comm_dtype = state.averaging_group(), state.comm_dtype
         state.per_parameter_calls = True  # no gradient statistics on this path: grad_norm() refuses
     else:

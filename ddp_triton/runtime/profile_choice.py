@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..dtypes import normalize_dtype
 from ..log import logger, warn_once
 from ..versions import nccl_version
-from ..machine.profile import (Profile, ProfileError, find_cached_profile, load_profile, model_profile,
+from ..machine.profile import (AUTO_FORMAT, Profile, ProfileError, find_cached_profile, load_profile, model_profile,
                                profile_fingerprint)
 from ..machine.topology import Topology, TopologyError, apply_launch_env, load_topology
 from .algo_groups import check_nccl_support, check_profile_agreement, check_wire_agreement, make_algorithm_groups
@@ -39,7 +39,7 @@ def _this_topology() -> Optional[Topology]:
 def _model_profile(backend: str, comm_dtype: str) -> Optional[Profile]:
     """The cost model's profile for this machine, or None when it cannot be modelled (no topology, no NIC rate)."""
     topology = _this_topology()
-    if topology is None or backend != "nccl":
+    if topology is None or backend != "nccl" or comm_dtype == AUTO_FORMAT:  # the model chooses no formats alone
         return None
     try:
         return model_profile(topology, comm_dtype=comm_dtype)
@@ -54,14 +54,15 @@ def check_profile_spec(spec: Any) -> None:
         raise TypeError(f"profile must be None, 'auto', a path or a Profile, got {type(spec).__name__}")
 
 
-def resolve_profile(spec: Any, world_size: int, comm_dtype: torch.dtype, backend: str) -> Optional[Profile]:
-    """The Profile a state of this world size, comm dtype and backend follows, or None to leave the algorithm to NCCL.
+def resolve_profile(spec: Any, world_size: int, comm_dtype: Any, backend: str) -> Optional[Profile]:
+    """The Profile a state of this world size, comm dtype (or ``"auto"``: one that chooses formats) and backend
+    follows, or None to leave the algorithm to NCCL.
 
     ``spec`` is None, "auto" (the cached profile for this topology if there is one: NCCL's own choice otherwise),
     a path (a corrupt or mismatched file warns and falls back to the cost model), or a Profile (a mismatch with the
     run is an error: the caller built it).
     """
-    dtype = normalize_dtype(comm_dtype)
+    dtype = AUTO_FORMAT if comm_dtype == AUTO_FORMAT else normalize_dtype(comm_dtype)
     if spec is None:
         return None
     if isinstance(spec, Profile):
@@ -85,7 +86,7 @@ def resolve_profile(spec: Any, world_size: int, comm_dtype: torch.dtype, backend
     raise TypeError(f"profile must be None, 'auto', a path or a Profile, got {type(spec).__name__}")
 
 
-def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: torch.dtype, backend: str,
+def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, backend: str,
                  wire_format: str, device: Optional[torch.device]) -> Tuple[Optional[Profile], Dict[str, Any]]:
     """The profile a state follows and the process groups of its algorithms, agreed by every rank.
 

@@ -143,6 +143,34 @@ class ResidualStore:
         self.layouts[params] = held
         return held
 
+    def take_for_fold(self, params: Tuple[int, ...], sizes: Tuple[int, ...], group: Any,
+                      device: torch.device) -> Optional[torch.Tensor]:
+        """What error feedback still owes the parameters of a bucket that keeps no residuals (its format has no error
+        feedback: a bucket of a profile's per-size formats, after DDP regrouped its parameters), in bucket order and
+        in units of the averaged gradient, or None when nothing is owed. Taken out of the store.
+
+        The whole correction is every rank's first stage plus the second stage: one all-reduce over ``group`` of the
+        first stages, after retiring the layouts that held them (itself collective). Collective when this store
+        holds anything for these parameters, which every rank decides alike (the same buckets, layouts and loads).
+        """
+        mine = set(params)
+        overlapping = [held for held in self.layouts.values() if mine.intersection(held.params)]
+        if overlapping:
+            self._retire(overlapping, group)
+        if not any(p in self.pending_first or p in self.pending_second for p in params):
+            return None
+        first = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        second = torch.zeros_like(first)
+        start = 0
+        for param, size in zip(params, sizes):
+            if param in self.pending_first:
+                first[start:start + size].copy_(self.pending_first.pop(param).view(-1))
+            if param in self.pending_second:
+                second[start:start + size].copy_(self.pending_second.pop(param).view(-1))
+            start += size
+        dist.all_reduce(first, group=group)
+        return first.add_(second)
+
     def _take_pending(self, held: LayoutResiduals, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """The pending residuals of ``held``'s parameters, in bucket order (zero where none), taken out of pending."""
         first = torch.zeros(held.n_elements, dtype=torch.float32, device=device)

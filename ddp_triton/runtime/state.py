@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import comm_dtypes
-from ..log import logger
+from ..log import logger, warn_once
+from ..machine.profile import AUTO_FORMAT
 from . import grad_stats as stats
 from .algo_groups import fail_together, select_group
 from .bucket import BucketComm, bind_bucket, split_average
@@ -36,7 +37,7 @@ from .nodes import NodeGroups, bind_node_groups
 from .profile_choice import bind_profile, check_profile_spec
 from .residuals import ResidualStore
 from .telemetry import Summary, summarize
-from .wire import WireFormat, resolve_wire_format
+from .wire import WireFormat, resolve_wire_format, wire_format_named
 
 #: The dtypes the hook can all-reduce in (``ddp_triton.dtypes.COMM_DTYPE_NAMES``), as torch dtypes.
 COMM_DTYPES = comm_dtypes()
@@ -63,8 +64,11 @@ class CommState:
 
     process_group: Any = None
     """Group the gradients are averaged over; None is the default (world) group."""
-    comm_dtype: torch.dtype = torch.bfloat16
-    """Dtype on the wire: bfloat16, float16, float32, or block-scaled float8_e4m3fn / float8_e5m2."""
+    comm_dtype: Union[torch.dtype, str] = torch.bfloat16
+    """Dtype on the wire: bfloat16, float16, float32, or block-scaled float8_e4m3fn / float8_e5m2; or ``"auto"``:
+    each bucket in the wire format the profile chose for its size (``ddp-triton autotune --formats``), with
+    ``accumulate_dtype``, ``error_feedback`` and ``hierarchical`` left unset (the format names them). Where no
+    profile with formats is found every bucket travels in bfloat16, and every rank warns."""
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
     own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's).
@@ -95,7 +99,11 @@ class CommState:
 
     # ---- what the state builds; made by ``_reset`` (construction and unpickling alike) ----------------------------
     wire: WireFormat = field(init=False, repr=False)
-    """The wire format of the settings (``wire.py``)."""
+    """The wire format of the settings (``wire.py``); with ``comm_dtype="auto"``, bfloat16's, for the buckets of a
+    state that found no profile with formats."""
+    formats: Optional[Dict[str, WireFormat]] = field(init=False, repr=False)
+    """With ``comm_dtype="auto"`` and a profile that chooses formats, once bound: each format it may choose, by name
+    (``active_profile.format_for`` gives a bucket's); None: every bucket in ``wire``."""
     residuals: ResidualStore = field(init=False, repr=False)
     """FP8 error-feedback residuals by parameter, and the parameters' names (``residuals.py``)."""
     exchanges: ExchangeQueue = field(init=False, repr=False)
@@ -132,6 +140,7 @@ class CommState:
     def _reset(self, wire: WireFormat, needs_group: bool) -> None:
         """Everything but the settings, as a state that has not bound yet holds it."""
         self.wire = wire
+        self.formats = None
         self.residuals = ResidualStore()
         self.exchanges = ExchangeQueue()
         self.nodes = None
@@ -193,16 +202,32 @@ class CommState:
                       f"{here[0]} of {here[1]}: load each rank's own file", group)
         self.active_profile, self.algorithm_groups = bind_profile(
             self.profile, group=group, world_size=world_size, comm_dtype=self.comm_dtype, backend=backend,
-            wire_format=self.wire.name, device=self.device)  # the ranks agree on the wire format here
-        if self.wire.hierarchical:
+            wire_format=self.wire_setting, device=self.device)  # the ranks agree on the wire format here
+        if self.comm_dtype == AUTO_FORMAT:  # every rank follows the same profile (agreed above), so the same formats
+            self.formats = formats_of(self.active_profile)
+        two_level = [w for w in (self.formats or {self.wire.name: self.wire}).values() if w.hierarchical]
+        if two_level:
             on_device = self.device is not None and self.device.type == "cuda"
             with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
-                self.nodes = bind_node_groups(group, self.wire.flat().name)
+                self.nodes = bind_node_groups(group, two_level[0].flat().name)
             if self.nodes is None:  # one node, or one rank per node: every rank goes flat together
                 self.wire = self.wire.flat()
+                if self.formats is not None:
+                    self.formats = {name: w.flat() for name, w in self.formats.items()}
         self.group, self.world_size, self.backend = group, world_size, backend
-        self.pre_scale, self.post_scale = split_average(world_size, self.comm_dtype)
+        self.pre_scale, self.post_scale = split_average(world_size, self.wire.comm_dtype)
         self._bound = True
+
+    @property
+    def wire_setting(self) -> str:
+        """The wire format the settings name: ``wire.name``, or ``"auto"`` (each bucket's from the profile)."""
+        return AUTO_FORMAT if self.comm_dtype == AUTO_FORMAT else self.wire.name
+
+    @property
+    def keeps_residuals(self) -> bool:
+        """Whether some bucket may keep error-feedback residuals (``state_dict`` has something to save)."""
+        wires = self.formats.values() if self.formats is not None else (self.wire,)
+        return any(w.error_feedback for w in wires) or bool(self.residuals.layouts or self.residuals.pending_first)
 
     def averaging_group(self) -> Any:
         """The group gradients are averaged over: ``process_group``, or the default group when it is None.
@@ -246,8 +271,8 @@ class CommState:
         self.grad_stats = saved.get("grad_stats", False)  # absent before grad_stats existed: off, as then
         self.timing = saved.get("timing", False)
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
-        self._reset(resolve_wire_format(self.comm_dtype, self.accumulate_dtype, self.error_feedback,
-                                        self.hierarchical), needs_group=not saved["on_default_group"])
+        self._reset(settings_wire(self.comm_dtype, self.accumulate_dtype, self.error_feedback, self.hierarchical),
+                    needs_group=not saved["on_default_group"])
 
     # ---- buckets ------------------------------------------------------------------------------------------------
 
@@ -288,10 +313,14 @@ class CommState:
             if self.device is None and buffer.is_cuda:
                 self.device = buffer.device
             self._bind_group()
-        return bind_bucket(buffer, bucket, wire=self.wire, group=self.group, world_size=self.world_size,
-                           backend=self.backend, pre_scale=self.pre_scale, post_scale=self.post_scale,
+        wire, (pre_scale, post_scale) = self.wire, (self.pre_scale, self.post_scale)
+        if self.formats is not None:  # the profile's format for a bucket of this size (elements x 4 bytes)
+            wire = self.formats[self.active_profile.format_for(buffer.numel() * 4)]
+            pre_scale, post_scale = split_average(self.world_size, wire.comm_dtype)
+        return bind_bucket(buffer, bucket, wire=wire, group=self.group, world_size=self.world_size,
+                           backend=self.backend, pre_scale=pre_scale, post_scale=post_scale,
                            grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
-                           queue=self.exchanges, nodes=self.nodes)
+                           queue=self.exchanges, nodes=self.nodes, mixed=self.formats is not None)
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
         if self.active_profile is None or not self.algorithm_groups:
@@ -353,7 +382,7 @@ class CommState:
         self.residuals.name_parameters(module)
 
     def _residual_settings(self) -> Dict[str, Any]:
-        return {"wire_format": self.wire.name}
+        return {"wire_format": self.wire_setting}
 
     def state_dict(self) -> Dict[str, Any]:
         """The error-feedback residuals by parameter name (empty without error feedback), to save with the model
@@ -397,9 +426,12 @@ def check_options(options: Dict[str, Any]) -> WireFormat:
         raise TypeError(f"unknown CommState options {unknown}; it takes {sorted(STATE_OPTIONS)}")
     defaults = {f.name: f.default for f in fields(CommState) if f.init}
     given = {**defaults, **options}
-    wire = resolve_wire_format(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"],
-                               given["hierarchical"])
+    wire = settings_wire(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"],
+                         given["hierarchical"])
     check_profile_spec(given["profile"])
+    if given["comm_dtype"] == AUTO_FORMAT and given["profile"] is None:
+        raise ValueError("comm_dtype='auto' takes each bucket's wire format from a tuned profile: pass "
+                         "profile='auto' (this machine's cached one) or a profile's path, not None")
     for flag in ("grad_stats", "timing"):
         if not isinstance(given[flag], bool):
             raise ValueError(f"{flag} must be True or False, got {given[flag]!r}")
@@ -413,6 +445,32 @@ def check_options(options: Dict[str, Any]) -> WireFormat:
         raise TypeError(f"process_group must be None or a torch.distributed ProcessGroup, got "
                         f"{type(group).__name__}")
     return wire
+
+
+def settings_wire(comm_dtype: Any, accumulate_dtype: Any, error_feedback: Any, hierarchical: Any) -> WireFormat:
+    """The WireFormat of a state's settings (``resolve_wire_format``); for ``comm_dtype="auto"``, bfloat16's, the
+    others being left unset (each bucket's format names them), else a ValueError naming the one that is set."""
+    if isinstance(comm_dtype, str):
+        if comm_dtype != AUTO_FORMAT:
+            raise ValueError(f"comm_dtype must be a torch dtype or 'auto', got {comm_dtype!r}")
+        for name, value, unset in (("accumulate_dtype", accumulate_dtype, None),
+                                   ("error_feedback", error_feedback, None), ("hierarchical", hierarchical, False)):
+            if value is not unset:
+                raise ValueError(f"comm_dtype='auto' takes each bucket's wire format from the profile, which names "
+                                 f"its sums, error feedback and levels: leave {name} unset (got {value!r})")
+        return resolve_wire_format(torch.bfloat16)
+    return resolve_wire_format(comm_dtype, accumulate_dtype, error_feedback, hierarchical)
+
+
+def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:
+    """The wire formats ``profile`` chooses among, by name; None (with a warning on every rank) when it chooses
+    none: every bucket then travels in bfloat16."""
+    choice = None if profile is None else profile.formats
+    if choice is None:
+        warn_once("triton_hook: comm_dtype='auto' found no profile that chooses wire formats (make one with "
+                  "`ddp-triton autotune --formats ...`); every bucket travels in bfloat16", all_ranks=True)
+        return None
+    return {name: wire_format_named(name) for name in choice.admitted}
 
 
 _default_states: Dict[int, CommState] = {}

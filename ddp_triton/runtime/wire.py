@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from ..machine.cost_model import parse_format
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4m3",
@@ -84,3 +86,16 @@ def resolve_wire_format(comm_dtype: torch.dtype, accumulate_dtype: Optional[torc
     if comm_dtype == torch.float32 and accumulate_dtype is not None:
         accumulate_dtype = None  # float32 on the wire already sums in float32: one all-reduce
     return WireFormat(comm_dtype, accumulate_dtype, False, hierarchical)
+
+
+_BY_SHORT = {short: dtype for dtype, short in _SHORT.items()}
+
+
+def wire_format_named(name: str) -> WireFormat:
+    """The WireFormat of a format's name (``WireFormat.name``, as profiles and ``autotune --formats`` spell it:
+    ``bf16+fp32sum``, ``fp8e4m3+ef``, ``two-level fp8e4m3+ef``); ValueError naming what is wrong."""
+    parsed = parse_format(name)
+    comm_dtype = _BY_SHORT[parsed.wire]
+    accumulate = torch.float32 if parsed.fp32_sum else None
+    return resolve_wire_format(comm_dtype, accumulate, parsed.error_feedback if comm_dtype in FP8_DTYPES else None,
+                               parsed.two_level)
