@@ -97,6 +97,10 @@ def init() -> torch.device:
     return device
 
 
+#: The profile ``triton_hook_auto`` follows (``--format-profile``).
+FORMAT_PROFILE: Optional[str] = None
+
+
 def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], None]]:
     """Attach the variant's hook; each triton variant gets its own state (one per model). Returns the clip the
     variant runs after each backward, if it clips."""
@@ -136,6 +140,10 @@ def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], 
         ddp_triton.register(ddp, comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32, hierarchical=True)
     elif variant == "triton_hook_fp8_2level":  # reduced in the node in float32, FP8 + error feedback between nodes
         ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+    elif variant == "triton_hook_auto":  # each bucket in the format a profile chose for its size
+        if FORMAT_PROFILE is None:
+            raise ValueError("triton_hook_auto needs --format-profile FILE (a profile that chooses wire formats)")
+        ddp_triton.register(ddp, comm_dtype="auto", profile=FORMAT_PROFILE)
     elif variant != "no_hook":
         raise ValueError(f"unknown variant {variant}")
     return None
@@ -489,6 +497,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="also count the bytes this node's interface sends and receives per step (its kernel counters, "
                         "read by each node's local rank 0 around each variant's steps after the first round; eth0 "
                         "under bench.cluster)")
+    p.add_argument("--format-profile", default=None, metavar="FILE",
+                   help="the profile variant triton_hook_auto follows (one that chooses wire formats: ddp-triton "
+                        "autotune --formats, or bench.format_timing --profile-out)")
     p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
@@ -501,6 +512,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be at least 1")
 
+    global FORMAT_PROFILE
+    FORMAT_PROFILE = args.format_profile
     if any(v in GRAPH_VARIANTS for v in args.variants.split(",")):
         # torch's recipe for capturing DDP in a CUDA graph: NCCL's async error handling off, before the group exists
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")

@@ -197,13 +197,42 @@ def cmd_autotune(args: argparse.Namespace) -> int:
     if len(modes) > 1:
         raise UsageError(f"{' and '.join(modes)} exclude each other")
     for flag, on, why in (("--calibration", args.calibration is not None, "a measurement calibrates itself"),
-                          ("--wire-formats", args.wire_formats, "the table is the cost model's")):
+                          ("--wire-formats", args.wire_formats, "the table is the cost model's"),
+                          ("--host-cost", args.host_cost is not None, "a measurement times the host")):
         if on and not args.model_only:
             raise UsageError(f"{flag} is for --model-only ({why})")
+    _check_formats(args)
     _check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
     if args.model_only:
         return _autotune_model(args, comm_dtype)
     return _autotune_distributed(args, comm_dtype, dtypes)
+
+
+def _check_formats(args: argparse.Namespace) -> None:
+    """``--formats``: every name a wire format, no e2e mode, and bucket sizes to choose at."""
+    if args.formats is None:
+        if args.host_cost is not None:
+            raise UsageError("--host-cost is for --formats (the host cost the model adds per bucket)")
+        return
+    if args.e2e:
+        raise UsageError("--formats is for --model-only and measure mode (e2e times hooks, not formats)")
+    if not args.formats:
+        raise UsageError("--formats names no format")
+    for name in args.formats:
+        try:
+            cm.parse_format(name)
+        except ValueError as e:
+            raise UsageError(f"--formats: {e}") from None
+    _format_sizes(args)
+
+
+def _format_sizes(args: argparse.Namespace) -> List[int]:
+    """Bucket sizes (gradient bytes) the format choice is evaluated at: the default sizes within --min-bytes and
+    --max-bytes, or those two where none falls between."""
+    sizes = [s for s in profiles.DEFAULT_BUCKET_SIZES if args.min_bytes <= s <= args.max_bytes]
+    if not sizes:
+        sizes = sorted({args.min_bytes, args.max_bytes})
+    return sizes
 
 
 def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
@@ -212,6 +241,10 @@ def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
     try:
         prof = profiles.model_profile(topo, comm_dtype=comm_dtype, sizes=_sizes(args, comm_dtype),
                                       calibration=calibration, **_common_profile_kwargs(args))
+        if args.formats is not None:
+            host = cm.CPU_HOST_COST if args.host_cost == "cpu" else cm.GPU_HOST_COST
+            prof.formats = profiles.model_format_choice(cm.Fabric.from_topology(topo, calibration), args.formats,
+                                                        _format_sizes(args), host)
         wire = _wire_table(cm.Fabric.from_topology(topo, calibration)) if args.wire_formats else None
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -320,7 +353,8 @@ def _measure_config(args: argparse.Namespace, topo: Any, backend: str, comm_dtyp
     return {"topology": topo.to_dict() if topo is not None else None, "sizes": sizes,
             "algorithms": args.algorithms, "comm_dtype": comm_dtype, "dtypes": dtypes,
             "warmup": args.warmup if args.warmup is not None else 5, "iters": args.iters,
-            "progress": not args.no_progress, **_common_profile_kwargs(args)}
+            "progress": not args.no_progress, "formats": args.formats,
+            "format_sizes": _format_sizes(args) if args.formats else None, **_common_profile_kwargs(args)}
 
 
 def _run_workers(worker_name: str, config: Dict[str, Any], nproc: Optional[int], backend: str,

@@ -29,7 +29,7 @@ from typing import NoReturn, Optional, Sequence
 
 from .. import __version__
 from ..envinfo import collect_env, format_env
-from ..machine.profile import DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
+from ..machine.profile import DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
 from ..machine.topology import PRESETS, TopologyError, load_topology
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
                    nonneg_float,
@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--wire-formats", action="store_true",
                       help="--model-only: also print the predicted time of each wire format (fp32, bf16, fp16, "
                            "bf16+fp32sum, fp8) per bucket size")
+    mode.add_argument("--formats", nargs="?", const=",".join(DEFAULT_FORMATS), type=csv_list, metavar="LIST",
+                      help="also choose the wire format per bucket size among these, comma-separated (default "
+                           f"{','.join(DEFAULT_FORMATS)}: no FP8; e.g. fp8e4m3+ef or 'two-level fp8e4m3+ef' too); "
+                           "the hook follows it with comm_dtype='auto'")
+    mode.add_argument("--host-cost", choices=("gpu", "cpu"), default=None,
+                      help="--formats: the host cost per bucket the model adds (default: gpu, or cpu on gloo)")
     mode.add_argument("--e2e", metavar="MODULE:FUNCTION",
                       help="time DDP steps of your model: FUNCTION() returns (model, loss_fn), loss_fn(model) "
                            "returns a scalar loss for one batch")

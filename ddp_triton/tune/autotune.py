@@ -24,14 +24,16 @@ import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
-from ..machine.profile import (DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, Profile, SweepRow, cached_or_model_profile,
-                               calibrate, fallback_profile, now_iso, profile_from_rows, rows_for_dtype,
+from ..machine.profile import (DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice, FormatRow,
+                               Profile, SweepRow, admitted_formats, cached_or_model_profile, calibrate,
+                               fallback_profile, format_choice, now_iso, profile_from_rows, rows_for_dtype,
                                save_to_cache)
 from ..machine.topology import Topology
 from ..safe_write import atomic_write_text
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
 from .step_timing import E2E_HOOKS, run_e2e
+from .format_timing import time_formats
 from .sweep import run_sweep
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
@@ -79,13 +81,19 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                     dtypes: Optional[Sequence[str]] = None, warmup: int = 5, iters: int = 20,
                     fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
                     min_buckets: int = DEFAULT_MIN_BUCKETS, progress: bool = True,
-                    host_us_per_bucket: float = 0.0) -> Profile:
+                    host_us_per_bucket: float = 0.0, formats: Optional[Sequence[str]] = None,
+                    format_sizes: Optional[Sequence[int]] = None) -> Profile:
     """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
 
     ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
     algorithm is recorded as ``ring``. Every rank measures rank 0's plan (sizes, dtypes, algorithms, comm dtype,
     warmup, iters): ranks that read their machine or NCCL version differently must still issue the same
     collectives. A plan rank 0 cannot make is a ValueError on every rank.
+
+    ``formats`` (wire format names): also time a bucket's whole exchange in each of them, per bucket size in
+    ``format_sizes`` (gradient bytes; default 256 KiB to 1 GiB), through the hook's path (``format_timing``), and
+    record the fastest per size range in the profile's ``formats``, beside the cost model's times where it can
+    describe the machine.
     """
     backend = str(dist.get_backend()).lower()
     plan = agree_on_plan(_measure_plan(topo, backend, sizes, algorithms, comm_dtype, dtypes, warmup, iters))
@@ -100,10 +108,31 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
     notes.append(f"measured: {warmup} warm-up + {iters} timed all-reduces per point, slowest rank's median")
     calibration, note = calibrate_measured(topo, rows, comm_dtype, "nccl" if backend == "nccl" else "gloo")
     notes.append(note)
-    return profile_from_rows(rows, source="measured", backend="nccl" if backend == "nccl" else "gloo",
-                             world_size=world, nodes=nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
-                             model_bytes=model_bytes, min_buckets=min_buckets, notes=notes, calibration=calibration,
-                             host_us_per_bucket=host_us_per_bucket)
+    profile = profile_from_rows(rows, source="measured", backend="nccl" if backend == "nccl" else "gloo",
+                                world_size=world, nodes=nodes, comm_dtype=comm_dtype, topo=topo, fraction=fraction,
+                                model_bytes=model_bytes, min_buckets=min_buckets, notes=notes,
+                                calibration=calibration, host_us_per_bucket=host_us_per_bucket)
+    if formats:
+        profile.formats = measure_formats(formats, format_sizes, topo, calibration, backend, world, nodes, warmup,
+                                          iters, progress)
+    return profile
+
+
+def measure_formats(formats: Sequence[str], sizes: Optional[Sequence[int]], topo: Any, calibration: Any,
+                    backend: str, world: int, nodes: int, warmup: int, iters: int, progress: bool) -> FormatChoice:
+    """Time the admitted formats per bucket size (every rank calls this) and choose the fastest per range."""
+    admitted, replaced = admitted_formats(formats, world, nodes)
+    host = cm.GPU_HOST_COST if backend == "nccl" else cm.CPU_HOST_COST
+    fabric = None
+    if topo is not None:
+        try:
+            fabric = cm.Fabric.from_topology(topo, calibration=calibration)
+        except ValueError:
+            fabric = None  # several nodes and no inter-node rate, say: no model column
+    rows = time_formats(list(sizes) if sizes else list(DEFAULT_BUCKET_SIZES), admitted,
+                        warmup=min(warmup, 2), iters=min(iters, 5), progress=progress, fabric=fabric, host=host)
+    return format_choice("measured", formats, [FormatRow.from_dict(r) for r in rows], replaced,
+                         f"measured ({backend}); model column: {host.source}" if fabric else f"measured ({backend})")
 
 
 def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: str,

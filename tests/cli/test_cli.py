@@ -265,10 +265,58 @@ def test_autotune_model_only_wire_formats(env, capsys):
     assert "wire formats" in captured.err and Profile.from_dict(json.loads(captured.out)).world_size == 8
 
 
+def test_autotune_model_only_formats_are_in_the_profile_and_cached_for_auto(env, tmp_path, capsys):
+    out = tmp_path / "f.json"
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--nodes", "2", "--inter-node-gbps", "12.5",
+                 "--formats", "fp32,bf16,fp8e4m3+ef,two-level fp8e4m3+ef", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    p = Profile.load(out)
+    assert p.formats.source == "model" and p.formats.allowed == ["fp32", "bf16", "fp8e4m3+ef", "two-level fp8e4m3+ef"]
+    # 16 ranks: plain bf16 is replaced, and the profile says why.
+    assert "bf16" not in p.formats.admitted and "bf16+fp32sum" in p.formats.admitted
+    assert "in place of bf16" in p.formats.notes[0] and "in place of bf16" in text
+    # At 12.5 GB/s per node a large bucket goes in FP8 (one of its forms); every evaluated size has each format.
+    assert "fp8" in p.format_for(1 << 30)
+    assert len(p.formats.rows) == len(p.formats.admitted) * 13
+    assert "wire format by bucket size" in text
+    # Cached apart from the per-dtype profile, where comm_dtype="auto" looks.
+    assert cache_path(p.topology_fingerprint, 16, 2, "auto").exists()
+    assert not cache_path(p.topology_fingerprint, 16, 2, "bfloat16").exists()
+    # The default admits no FP8.
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "--no-cache", "--json"]) == 0
+    default = Profile.from_dict(json.loads(capsys.readouterr().out))
+    assert default.formats.allowed == ["fp32", "bf16", "bf16+fp32sum"]
+    assert not any("fp8" in f for f in default.formats.admitted)
+
+
+def test_autotune_measure_gloo_chooses_formats(env, tmp_path):
+    out = tmp_path / "m.json"
+    env = dict(env, TRITON_INTERPRET="0")  # the CPU path production runs, not the kernels in the interpreter
+    r = cli(env, "autotune", "--backend", "gloo", "--nproc", "2", "--min-bytes", "256K", "--max-bytes", "512K",
+            "--iters", "2", "--warmup", "1", "--formats", "fp32,bf16,fp8e4m3+ef", "--no-cache", "--no-progress",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    p = Profile.load(out)
+    assert p.formats.source == "measured" and p.formats.admitted == ["fp32", "bf16", "fp8e4m3+ef"]
+    assert sorted((row.nbytes, row.format) for row in p.formats.rows) == sorted(
+        (size, f) for size in (1 << 18, 1 << 19) for f in ("fp32", "bf16", "fp8e4m3+ef"))
+    assert all(row.time_us > 0 and row.model_us is None for row in p.formats.rows)  # no topology: no model
+    at_first = [row for row in p.formats.rows if row.nbytes == 1 << 18]
+    assert p.format_for(1 << 18) == min(at_first, key=lambda row: row.time_us).format  # the fastest there
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv,says", [
+    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "bf16,fp9"], "'fp9'",
+                 id="unknown-format"),
+    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "bf16+ef"], "FP8 formats only",
+                 id="ef-on-bf16"),
+    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--host-cost", "cpu"], "--formats",
+                 id="host-cost-without-formats"),
+    pytest.param(["autotune", "--backend", "gloo", "--formats", "bf16", "--e2e", "m:f"], "e2e",
+                 id="formats-with-e2e"),
     pytest.param([], "required", id="no-command"),
     pytest.param(["frobnicate"], "invalid choice", id="unknown-command"),
     pytest.param(["autotune", "--model-only", "--nodes", "0", "--topology", "dgx-h100"], "must be >= 1", id="nodes-0"),
