@@ -122,8 +122,8 @@ class ResidualStore:
         own part only, so the node's ranks add up what they hold and each takes its new part.
         """
         found = self.layouts.get(params)
-        if found is not None:
-            return found
+        if found is not None and found.sizes == sizes:
+            return found  # (other sizes: the ids belong to new parameters now; the old layout overlaps, retired)
         mine = set(params)
         overlapping = [held for held in self.layouts.values() if mine.intersection(held.params)]
         if overlapping:

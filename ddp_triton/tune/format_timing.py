@@ -28,7 +28,8 @@ class _Bucket:
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
-        self._params = [torch.empty_like(buffer)]  # FP8's blocks follow it; nothing reads its values
+        # FP8's blocks follow its size; nothing reads its values, so it needs no memory of its own.
+        self._params = [torch.empty(1, device=buffer.device).expand(buffer.numel())]
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -86,14 +87,18 @@ def time_formats(sizes: Sequence[int], formats: Sequence[str], warmup: int = 2, 
     bar = Progress(len(sizes) * len(names), enabled=progress and dist.get_rank() == 0)
     states = {name: _state_for(name) for name in names}  # in one order on every rank: some create groups
     medians: List[float] = []
+    buckets: List[_Bucket] = []  # alive to the end: residuals are kept by parameter identity
     for size in sizes:
         n = max(1, size // 4)
         gen = torch.Generator().manual_seed(n)
         values = torch.randn(n, generator=gen).to(device)
         for name in names:
             bucket = _Bucket(values.clone())
+            buckets.append(bucket)
             medians.append(statistics.median(_time_bucket(states[name], bucket, warmup, iters)))
-            states[name].buckets.clear()  # this bucket's buffers go; the next size binds its own
+            states[name].buckets.clear()  # this bucket's buffers and residuals go; the next size binds its own
+            states[name].residuals.layouts.clear()
+            bucket._buffer = values  # the clone's memory back
             bar.step(f"{name} {size} B")
     slowest = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
