@@ -163,10 +163,10 @@ class ResidualStore:
         second = torch.zeros_like(first)
         start = 0
         for param, size in zip(params, sizes):
-            if param in self.pending_first:
-                first[start:start + size].copy_(self.pending_first.pop(param).view(-1))
-            if param in self.pending_second:
-                second[start:start + size].copy_(self.pending_second.pop(param).view(-1))
+            for pending, values in ((self.pending_first, first), (self.pending_second, second)):
+                taken = _pop_pending(pending, param, size)
+                if taken is not None:
+                    values[start:start + size].copy_(taken)
             start += size
         dist.all_reduce(first, group=group)
         return first.add_(second)
@@ -175,11 +175,11 @@ class ResidualStore:
         """The pending residuals of ``held``'s parameters, in bucket order (zero where none), taken out of pending."""
         first = torch.zeros(held.n_elements, dtype=torch.float32, device=device)
         second = torch.zeros_like(first)
-        for param, part in held.slices():
-            if param in self.pending_first:
-                first[part].copy_(self.pending_first.pop(param).view(-1))
-            if param in self.pending_second:
-                second[part].copy_(self.pending_second.pop(param).view(-1))
+        for (param, part), size in zip(held.slices(), held.sizes):
+            for pending, values in ((self.pending_first, first), (self.pending_second, second)):
+                taken = _pop_pending(pending, param, size)
+                if taken is not None:
+                    values[part].copy_(taken)
         return first, second
 
     def _retire(self, layouts: List[LayoutResiduals], group: Any) -> None:
@@ -289,6 +289,15 @@ class ResidualStore:
         live = sum(h.first.numel() + h.second.numel() for h in self.layouts.values())
         waiting = sum(t.numel() for t in (*self.pending_first.values(), *self.pending_second.values()))
         return 4 * (live + waiting)
+
+
+def _pop_pending(pending: Dict[int, torch.Tensor], param: int, size: int) -> Optional[torch.Tensor]:
+    """``param``'s pending residual, taken out; None where there is none or it has another size (the id names a
+    new parameter now, Python having reused it: the old parameter's residuals went with it)."""
+    value = pending.pop(param, None)
+    if value is None or value.numel() != size:
+        return None
+    return value.view(-1)
 
 
 def this_ranks_part(saved: Dict[str, Any], group: Optional[Any]) -> Dict[str, Any]:

@@ -1,0 +1,42 @@
+"""The residual store's bookkeeping by parameter identity: a layout found again only for the same sizes, and what a
+bucket without error feedback takes in (every rank's first stage and the second, summed once).
+
+Tier: gloo, 2 processes spawned here (the store's re-slice and fold are collective)."""
+
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_workers
+from ddp_triton.kernels import block_layout
+from ddp_triton.runtime.residuals import ResidualStore
+
+
+def _same_ids_other_sizes(rank, world_size):
+    store, group = ResidualStore(), dist.group.WORLD
+    old = store.for_layout((7,), (256,), block_layout((256,), world_size), group, torch.device("cpu"))
+    old.first.fill_(1.0)
+    # The id 7 now names a parameter of 512 elements (Python reuses ids): a layout of its own, the old one retired.
+    new = store.for_layout((7,), (512,), block_layout((512,), world_size), group, torch.device("cpu"))
+    assert new is not old and new.n_elements == 512 and not old.alive
+    assert store.for_layout((7,), (512,), block_layout((512,), world_size), group, torch.device("cpu")) is new
+
+
+def test_a_layout_is_found_again_only_for_the_same_sizes():
+    run_workers(_same_ids_other_sizes, 2)
+
+
+def _fold(rank, world_size):
+    store, group = ResidualStore(), dist.group.WORLD
+    held = store.for_layout((1, 2), (100, 60), block_layout((100, 60), world_size), group, torch.device("cpu"))
+    held.first.fill_(float(rank + 1))  # rank 0: 1, rank 1: 2
+    held.second.fill_(0.25)  # each rank's own rows: every element's second stage is 0.25
+    # A bucket of parameter 2 alone, in a format without error feedback, takes what it is owed; parameter 1 waits.
+    owed = store.take_for_fold((2,), (60,), group, torch.device("cpu"))
+    assert torch.equal(owed, torch.full((60,), 1.0 + 2.0 + 0.25))
+    assert not held.alive and 2 not in store.pending_first and 1 in store.pending_first
+    assert store.take_for_fold((2,), (60,), group, torch.device("cpu")) is None  # once only
+    assert store.take_for_fold((3,), (10,), group, torch.device("cpu")) is None  # nothing held for it
+
+
+def test_a_bucket_without_error_feedback_takes_every_ranks_residuals_once():
+    run_workers(_fold, 2)
