@@ -239,3 +239,12 @@ def test_auto_options_that_cannot_be_are_refused_by_name(options, match):
 
     with pytest.raises(ValueError, match=match):
         check_options(options)
+
+
+def test_an_auto_state_pickles_as_its_settings():
+    import pickle
+
+    state = ddp_triton.CommState(comm_dtype="auto", profile="auto")  # no process group yet: settings only
+    again = pickle.loads(pickle.dumps(state))
+    assert again.comm_dtype == "auto" and again.profile == "auto" and again.wire_setting == "auto"
+    assert not again.bound and again.formats is None

@@ -58,7 +58,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...dtypes import normalize_dtype
 from ...safe_write import OutputError, atomic_write_text
@@ -91,6 +91,23 @@ def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> N
     unknown = sorted(set(map(str, d)) - set(known))
     if unknown:
         raise ValueError(f"{where}unknown field(s) {', '.join(map(repr, unknown))}")
+
+
+def _refuse_unknown_in_lists(d: Mapping[str, Any], lists: Sequence[Tuple[str, Sequence[str]]], where: str) -> None:
+    """``_refuse_unknown`` for every object in the lists ``d[key]``, by (key, known fields)."""
+    for key, known in lists:
+        entries = d.get(key)
+        if isinstance(entries, list):
+            for i, entry in enumerate(entries):
+                if isinstance(entry, Mapping):
+                    _refuse_unknown(entry, known, f"{where}{key}[{i}]: ")
+
+
+def _bounds(entry: Any, where: str) -> None:
+    """Check a range's ``min_bytes`` and ``max_bytes`` (None: unbounded) in place."""
+    entry.min_bytes = _int(entry.min_bytes, "min_bytes", where, 0)
+    if entry.max_bytes is not None:
+        entry.max_bytes = _int(entry.max_bytes, "max_bytes", where, entry.min_bytes)
 
 
 _PROFILE_FIELDS_V1 = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb",
@@ -184,9 +201,7 @@ class TableEntry:
 
     def __post_init__(self) -> None:
         where = "table entry"
-        self.min_bytes = _int(self.min_bytes, "min_bytes", where, 0)
-        if self.max_bytes is not None:
-            self.max_bytes = _int(self.max_bytes, "max_bytes", where, self.min_bytes)
+        _bounds(self, where)
         _check_algorithm(self.algorithm, where)
         _check_protocol(self.protocol, where)
 
@@ -261,9 +276,7 @@ class FormatRange:
 
     def __post_init__(self) -> None:
         where = "format range"
-        self.min_bytes = _int(self.min_bytes, "min_bytes", where, 0)
-        if self.max_bytes is not None:
-            self.max_bytes = _int(self.max_bytes, "max_bytes", where, self.min_bytes)
+        _bounds(self, where)
         self.format = _format_name(self.format, where)
         if not isinstance(self.reason, str):
             raise ValueError(f"{where}: reason must be a string, got {self.reason!r}")
@@ -329,12 +342,7 @@ class FormatChoice:
         if not isinstance(d, Mapping):
             raise ValueError(f"formats must be null or an object, got {d!r}")
         _refuse_unknown(d, _FORMATS_FIELDS, "formats: ")
-        for key, known in (("table", _FORMAT_RANGE_FIELDS), ("rows", _FORMAT_ROW_FIELDS)):
-            entries = d.get(key)
-            if isinstance(entries, list):
-                for i, entry in enumerate(entries):
-                    if isinstance(entry, Mapping):
-                        _refuse_unknown(entry, known, f"formats.{key}[{i}]: ")
+        _refuse_unknown_in_lists(d, (("table", _FORMAT_RANGE_FIELDS), ("rows", _FORMAT_ROW_FIELDS)), "formats.")
         try:
             return cls(source=d["source"], allowed=d["allowed"], admitted=d["admitted"], table=d["table"],
                        rows=d.get("rows") or [], host=d.get("host", ""), notes=d.get("notes") or [])
@@ -509,12 +517,7 @@ class Profile:
             supported = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
             raise ValueError(f"schema_version {version!r} is not one this version reads ({supported})")
         _refuse_unknown(d, _FIELDS_BY_VERSION[version], "")
-        for key, known in (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)):
-            entries = d.get(key)
-            if isinstance(entries, list):
-                for i, entry in enumerate(entries):
-                    if isinstance(entry, Mapping):
-                        _refuse_unknown(entry, known, f"{key}[{i}]: ")
+        _refuse_unknown_in_lists(d, (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)), "")
         notes = d.get("notes") or []
         try:
             return cls(
