@@ -48,8 +48,8 @@ def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
     check_count(n_ranks, "n_ranks")
     check_vector(out, "out")
     check_vector(received, "received", numel=n_ranks * out.numel(), device=out.device)
-    if received.dtype != out.dtype:
-        raise TypeError(f"received ({received.dtype}) and out ({out.dtype}) must share a dtype")
+    if received.dtype != out.dtype and out.dtype != torch.float32:
+        raise TypeError(f"out ({out.dtype}) must be received's dtype ({received.dtype}) or float32")
     if not uses_triton(out.device):
         return KernelCall(torch_path=torch_wire.bind_sum_slices(received, n_ranks, out, canonical_nan))
     src_bf16 = received.dtype == torch.bfloat16
@@ -61,9 +61,10 @@ def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
 
 
 def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
-    """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements,
-    same dtype as ``out``: float32, bfloat16 or float16), added in float32 in rank order and rounded once. NaNs are
-    written as the canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
+    """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements:
+    float32, bfloat16 or float16), added in float32 in rank order and rounded once to ``out``'s dtype (received's, or
+    float32: the sum itself, as a reduce-scatter whose result travels no further keeps it). NaNs are written as the
+    canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
     run_call(_sum_slices_call(received, n_ranks, out))
     return out
 

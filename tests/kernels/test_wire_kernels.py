@@ -263,6 +263,22 @@ def test_sum_slices_adds_in_float32_in_rank_order(dtype, n_ranks, size):
     assert_same_bits(out, total.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sum_slices_into_float32_keeps_the_sum_unrounded(dtype):
+    n_ranks, size = 3, 2500
+    gen = torch.Generator().manual_seed(4)
+    received = (torch.randn(n_ranks * size, generator=gen) * 100).to(dtype)
+    out, out_ref = torch.empty(size), torch.empty(size)
+    slices.sum_slices(received, n_ranks, out)
+    torch_wire.sum_slices(received, n_ranks, out_ref)
+    total = torch.zeros(size)
+    for rank in range(n_ranks):
+        total = total + received[rank * size: (rank + 1) * size].float()
+    assert_same_bits(out, total)
+    assert_same_bits(out_ref, total)
+    assert not torch.equal(total, total.to(dtype).float())  # a rounding to the wire dtype would have shown
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 
 
@@ -291,7 +307,7 @@ def test_bad_input_is_refused_by_name():
         blockscale.reduce_blocks(rows, 2, rows)
     with pytest.raises(ValueError, match="stats"):
         blockscale.dequantize_blocks(rows, layout, torch.empty(10), stats=torch.empty(3))
-    with pytest.raises(TypeError, match="must share a dtype"):
+    with pytest.raises(TypeError, match=r"out \(torch.bfloat16\) must be received's dtype \(torch.float32\) or"):
         slices.sum_slices(torch.ones(4), 2, torch.empty(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="n_shards"):
         block_layout([3], 0)
