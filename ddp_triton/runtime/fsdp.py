@@ -1,0 +1,144 @@
+"""The wire formats as FSDP2's reduce-scatter: ``register(model, ...)`` sets ours on every FSDPModule of a model.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters each FSDP group's gradients as one flat input in its
+reduce dtype: row r of ``input.view(N, -1)`` holds every parameter's r-th chunk (padded), and rank r keeps the sum of
+the rows r. FSDP2 lets a user replace that call (``FSDPModule.set_custom_reduce_scatter``, torch >= 2.9); ours
+sends the gradients in a wire format (``wire.py``, the same options and checks as ``CommState``):
+
+- ``float32``: torch's own reduce-scatter, unchanged: the same bits as FSDP2 without us.
+- ``bfloat16`` / ``float16`` with ``accumulate_dtype=torch.float32``: each rank scales its input by the average's
+  factor in float32 and rounds once to the wire dtype, an all-to-all gives rank r the N copies of its rows, and it
+  adds them in float32 in rank order. The sum is the output, in FSDP's reduce dtype: in float32 it is not rounded
+  again (no all-gather follows, as in DDP), so each element is rounded once on the wire whatever N is, where a
+  16-bit reduce-scatter (``reduce_dtype=torch.bfloat16``) rounds at every hop.
+- ``bfloat16`` / ``float16`` alone: the reduce-scatter in the 16-bit dtype (what ``reduce_dtype`` does, with the
+  scaling split as ``bucket.split_average`` splits it).
+
+The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the group's
+``gradient_divide_factor``. Not here yet: block-scaled FP8 with error feedback, HSDP's replica hop, and kernels
+bound once per group (each call launches its passes afresh).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from .bucket import split_average
+from .wire import WireFormat, resolve_wire_format
+
+try:  # torch >= 2.9 has FSDP2's custom collectives
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - depends on the torch installed
+    FSDPModule = None  # type: ignore[assignment,misc]
+    _ReduceScatterBase = object  # type: ignore[assignment,misc]
+
+#: The first torch release whose FSDP2 takes a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``).
+MIN_TORCH_FOR_FSDP = "2.9"
+
+
+class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+    """FSDP2's reduce-scatter of one FSDP module's gradients in ``wire``."""
+
+    def __init__(self, wire: WireFormat, module: Any) -> None:
+        self.wire = wire
+        self.module = module
+        self.calls = 0
+        """Reduce-scatters run (every backward, per FSDP group)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Optional[Any]:
+        self.calls += 1
+        wire = self.wire
+        if wire.comm_dtype == torch.float32:
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        n = dist.get_world_size(group)
+        pre, post = scale_factors(wire.comm_dtype, n, self._divide_factor(op, n))
+        send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
+        kernels.pack([input_tensor], send, pre)
+        if wire.sharded:  # all-to-all, then the float32 sum of the N copies of this rank's rows
+            received = torch.empty_like(send)
+            dist.all_to_all_single(received, send, group=group)
+            if output_tensor.dtype in (torch.float32, wire.comm_dtype):
+                kernels.sum_slices(received, n, output_tensor)
+            else:  # a reduce dtype that is neither: the float32 sum, then one rounding into it
+                total = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
+                kernels.sum_slices(received, n, total)
+                output_tensor.copy_(total)
+        else:  # the reduce-scatter itself in the 16-bit dtype
+            shard = torch.empty(output_tensor.numel(), dtype=wire.comm_dtype, device=output_tensor.device)
+            dist.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM, group=group)
+            kernels.unpack(shard, [output_tensor], 1.0)
+        if post != 1.0:
+            output_tensor.mul_(post)
+        return None
+
+    def _divide_factor(self, op: Any, n: int) -> float:
+        """What the sum is divided by, from the op FSDP passes."""
+        kind = getattr(op, "op", op)
+        if kind == dist.ReduceOp.AVG:
+            return float(n)
+        if kind == dist.ReduceOp.SUM:
+            return 1.0
+        if kind == dist.ReduceOp.PREMUL_SUM:
+            groups = self.module._get_fsdp_state()._fsdp_param_groups
+            factor = groups[0].gradient_divide_factor if groups else None
+            if factor:
+                return float(factor)
+        raise ValueError(f"ddp_triton's FSDP reduce-scatter got reduction {op!r}; it averages (AVG), sums (SUM) or "
+                         "divides by the module's gradient_divide_factor (PREMUL_SUM)")
+
+
+def scale_factors(comm_dtype: torch.dtype, n: int, divide_by: float) -> "tuple[float, float]":
+    """(pre, post): the input is multiplied by ``pre`` before its one rounding to ``comm_dtype``, the sum by
+    ``post``, together a division by ``divide_by``. bfloat16 takes it all before (its range is float32's); float16
+    a power of two near 1/sqrt(n) before, the rest after, as ``bucket.split_average`` splits the average."""
+    if comm_dtype == torch.float16:
+        pre = split_average(n, comm_dtype)[0]
+        return pre, 1.0 / (divide_by * pre)
+    return 1.0 / divide_by, 1.0
+
+
+class FSDPCommState:
+    """What ``register`` set: the wire format, and each FSDP module's reduce-scatter."""
+
+    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter]) -> None:
+        self.wire = wire
+        self.comms = comms
+
+    @property
+    def calls(self) -> int:
+        return sum(c.calls for c in self.comms)
+
+
+def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
+             accumulate_dtype: Optional[torch.dtype] = torch.float32,
+             error_feedback: Optional[bool] = None) -> FSDPCommState:
+    """Set our reduce-scatter, in the wire format these options name (``CommState``'s), on every FSDPModule in
+    ``model`` (after ``fully_shard``). Defaults: bfloat16 on the wire, float32 sums. Call on every rank."""
+    if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise RuntimeError(f"ddp_triton.fsdp.register needs torch >= {MIN_TORCH_FOR_FSDP} (FSDP2's "
+                           f"set_custom_reduce_scatter); this is torch {torch.__version__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"register expects an nn.Module sharded with fully_shard, got {type(model).__name__}")
+    wire = resolve_wire_format(comm_dtype, accumulate_dtype, error_feedback)
+    if wire.block_scaled:
+        raise ValueError(f"FP8 ({wire.name}) is not available for FSDP yet: use torch.bfloat16 with "
+                         "accumulate_dtype=torch.float32, or torch.float32")
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
+                         "blocks) first")
+    comms = []
+    for module in modules:
+        comm = WireReduceScatter(wire, module)
+        module.set_custom_reduce_scatter(comm)
+        comms.append(comm)
+    return FSDPCommState(wire, comms)

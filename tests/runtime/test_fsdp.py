@@ -1,0 +1,153 @@
+"""Our wire formats as FSDP2's reduce-scatter (``ddp_triton.fsdp.register``).
+
+Tier: gloo multi-process on CPU (2 and 3 ranks, spawned here; FSDP2 on a CPU device mesh), the kernels' torch CPU
+path. Each rank trains the same small model, sharded per layer with ``fully_shard``, on its slice of each batch. The
+reference is written from the format's definition: every rank's local gradient of each parameter (from an unsharded
+copy on the same weights), padded on dim 0 to a multiple of N as FSDP pads it, times 1/N rounded once to bf16,
+summed in float32 in rank order; rank r's sharded gradient must be its rows of that, bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ddp_triton.fsdp
+from ddp_helpers import torch_path_workers
+
+fsdp_api = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp_api, "FSDPModule") or not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):
+    pytest.skip("this torch's FSDP2 takes no custom reduce-scatter", allow_module_level=True)
+
+BATCH = 12
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 5), nn.Tanh(), nn.Linear(5, 4))
+
+
+def shard(model, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def data(step):
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
+
+
+def backward(model, x, y, rank, world_size):
+    per = BATCH // world_size
+    nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+
+
+def local_grads(plain, x, y, world_size):
+    out = []
+    for r in range(world_size):
+        model = copy.deepcopy(plain)
+        backward(model, x, y, r, world_size)
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+def expected_shard(grads, rank, world_size, divide_by=None):
+    """Rank ``rank``'s rows of sum_r bf16(g_r / N) (or / ``divide_by``), in float32, FSDP's dim-0 padding
+    included."""
+    divide_by = world_size if divide_by is None else divide_by
+    rows = -(-grads[0].shape[0] // world_size)
+    total = torch.zeros((rows * world_size, *grads[0].shape[1:]))
+    for g in grads:
+        padded = torch.zeros_like(total)
+        padded[: g.shape[0]] = g
+        total = total + (padded * (1.0 / divide_by)).to(torch.bfloat16).float()
+    mine = total[rank * rows:(rank + 1) * rows]
+    return mine[: max(0, min(rows, grads[0].shape[0] - rank * rows))]
+
+
+def _bits_worker(rank, world_size, divide_by=None):
+    plain = make_model()
+    model = shard(make_model(), world_size)
+    if divide_by is not None:  # FSDP then passes PREMUL_SUM, whose factor is the module's
+        for module in model.modules():
+            if isinstance(module, fsdp_api.FSDPModule):
+                module.set_gradient_divide_factor(divide_by)
+    state = ddp_triton.fsdp.register(model)  # bfloat16 on the wire, float32 sums
+    assert state.wire.name == "bf16+fp32sum" and len(state.comms) == 4
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = data(step)
+        per_rank = local_grads(plain, x, y, world_size)
+        opt.zero_grad()
+        backward(model, x, y, rank, world_size)
+        for i, p in enumerate(model.parameters()):
+            got = p.grad.to_local()
+            want = expected_shard([g[i] for g in per_rank], rank, world_size, divide_by)
+            assert torch.equal(got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)), \
+                f"parameter {i} at step {step}"
+        # The plain copy takes the same step with the reference's whole average, so both stay on one path.
+        for i, q in enumerate(plain.parameters()):
+            full = torch.cat([expected_shard([g[i] for g in per_rank], r, world_size, divide_by)
+                              for r in range(world_size)])
+            q.grad = full.view_as(q)
+        opt.step()
+        plain_opt.step()
+    assert state.calls == 3 * 3  # one reduce-scatter per FSDP group that holds parameters, per backward
+
+
+@pytest.mark.parametrize("world_size, divide_by", [(2, None), (3, None), (2, 8.0)])
+def test_bf16_with_float32_sums_matches_the_reference(world_size, divide_by):
+    torch_path_workers(_bits_worker, world_size, divide_by)
+
+
+def _float32_worker(rank, world_size):
+    ours = shard(make_model(), world_size)
+    theirs = shard(make_model(), world_size)
+    ddp_triton.fsdp.register(ours, comm_dtype=torch.float32, accumulate_dtype=None)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    for step in range(4):
+        x, y = data(step)
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            backward(model, x, y, rank, world_size)
+            opt.step()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(p.to_local().view(torch.int32), q.to_local().view(torch.int32)), name
+
+
+def test_float32_on_the_wire_is_fsdp2_without_us():
+    torch_path_workers(_float32_worker, 2)
+
+
+def _options_worker(rank, world_size):
+    model = shard(make_model(), world_size)
+    with pytest.raises(ValueError, match="FP8 .* is not available for FSDP yet"):
+        ddp_triton.fsdp.register(model, comm_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="error_feedback applies to FP8"):
+        ddp_triton.fsdp.register(model, error_feedback=True)
+    with pytest.raises(ValueError, match="no FSDP module"):
+        ddp_triton.fsdp.register(make_model())
+    with pytest.raises(TypeError, match="nn.Module"):
+        ddp_triton.fsdp.register("model")
+    dist.barrier()
+
+
+def test_options_that_cannot_be_are_refused_by_name():
+    torch_path_workers(_options_worker, 2)
+
+
+def test_a_torch_without_custom_reduce_scatter_is_named(monkeypatch):
+    from ddp_triton.runtime import fsdp
+
+    monkeypatch.setattr(fsdp, "FSDPModule", None)
+    with pytest.raises(RuntimeError, match=f"needs torch >= {fsdp.MIN_TORCH_FOR_FSDP}"):
+        fsdp.register(nn.Linear(2, 2))
