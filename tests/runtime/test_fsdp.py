@@ -109,6 +109,31 @@ def test_bf16_with_float32_sums_matches_the_reference(world_size, divide_by):
     torch_path_workers(_bits_worker, world_size, divide_by)
 
 
+def _other_formats_worker(rank, world_size):
+    """At 2 ranks: fp16 with float32 sums (scaled by 1 before the wire, the power of two nearest 1/sqrt(2), and by
+    1/2 after, in float32) and plain bf16 (the reduce-scatter sums in bf16: one addition, one rounding)."""
+    for options, sent, fp32_sum, pre, post in ((dict(comm_dtype=torch.float16), torch.float16, True, 1.0, 0.5),
+                                               (dict(accumulate_dtype=None), torch.bfloat16, False, 0.5, 1.0)):
+        plain = make_model()
+        model = shard(make_model(), world_size)
+        ddp_triton.fsdp.register(model, **options)
+        x, y = data(0)
+        per_rank = local_grads(plain, x, y, world_size)
+        backward(model, x, y, rank, world_size)
+        for i, p in enumerate(model.parameters()):
+            a, b = ((g[i] * pre).to(sent) for g in per_rank)
+            total = a.float() + b.float() if fp32_sum else (a.float() + b.float()).to(sent).float()
+            total = total * post if post != 1.0 else total
+            rows = -(-total.shape[0] // world_size)
+            want = total[rank * rows:(rank + 1) * rows]
+            assert torch.equal(p.grad.to_local().contiguous().view(torch.int32),
+                               want.contiguous().view(torch.int32)), (options, i)
+
+
+def test_fp16_with_float32_sums_and_plain_bf16():
+    torch_path_workers(_other_formats_worker, 2)
+
+
 def _float32_worker(rank, world_size):
     ours = shard(make_model(), world_size)
     theirs = shard(make_model(), world_size)
