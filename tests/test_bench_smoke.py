@@ -60,6 +60,15 @@ def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
     assert "node link MB sent per step" in stdout
 
 
+def test_fsdp_step_smoke(tmp_path):
+    """World size 1: FSDP2 runs no reduce-scatter, but every variant builds, trains and is reported."""
+    stdout, data = run(["bench.fsdp_step", "--small", "--steps", "2", "--rounds", "1", "--link-iface", "lo"],
+                       tmp_path, "fsdp_step-*.json")
+    assert [r["variant"] for r in data["rows"]] == ["fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum"]
+    assert all(r["median_ms"] > 0 and r["node_link_tx_bytes_per_step"] >= 0 for r in data["rows"])
+    assert "node link MB sent per step" in stdout
+
+
 def test_ddp_step_gpt2_smoke(tmp_path):
     stdout, data = run(["bench.ddp_step", "--small", "--model", "gpt2", "--steps", "2", "--warmup", "1", "--rounds",
                         "1", "--variants", "no_hook,triton_hook_bf16,triton_hook_bf16_clip_state", "--no-results"],
