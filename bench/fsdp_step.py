@@ -89,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=9, help="timed steps per variant, over all rounds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--link-iface", default=None, help="count this node's interface bytes per step (eth0 in bench.cluster)")
+    p.add_argument("--link-iface", default=None,
+                   help="count this node's interface bytes per step (eth0 in bench.cluster)")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
