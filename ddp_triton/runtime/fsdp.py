@@ -15,8 +15,18 @@ sends the gradients in a wire format (``wire.py``, the same options and checks a
   scaling split as ``bucket.split_average`` splits it).
 
 The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the group's
-``gradient_divide_factor``. Not here yet: block-scaled FP8 with error feedback, HSDP's replica hop, and kernels
-bound once per group (each call launches its passes afresh).
+``gradient_divide_factor``.
+
+HSDP with a compressed replica hop (``replicate_group``): shard the model on the shard dimension of a 2-D mesh only
+(``fully_shard(module, mesh=mesh["shard"])``, each replica an FSDP group of its own, the ranks of a node, say) and
+pass the replicate dimension's group: the reduce-scattered shard of each FSDP group is then averaged over the
+replicas by FSDP's all-reduce hook (``set_all_reduce_hook``) in ``replicate_comm_dtype`` (default bf16 with float32
+sums: all-to-all, float32 sum, bf16 all-gather, as DDP's bucket), while the shard hop keeps ``comm_dtype`` (float32
+there is FSDP2's own reduce-scatter). Native HSDP (a 2-D mesh given to ``fully_shard``) all-reduces the replicas
+itself, in float32: ``register`` refuses a ``replicate_group`` with it.
+
+Not here yet: block-scaled FP8 with error feedback, and kernels bound once per group (each call launches its passes
+afresh).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from .bucket import split_average
+from .exchange import float32_sum_exchange
 from .wire import WireFormat, resolve_wire_format
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
@@ -106,12 +117,50 @@ def scale_factors(comm_dtype: torch.dtype, n: int, divide_by: float) -> "tuple[f
     return 1.0 / divide_by, 1.0
 
 
-class FSDPCommState:
-    """What ``register`` set: the wire format, and each FSDP module's reduce-scatter."""
+class ReplicaAverage:
+    """FSDP2's all-reduce hook: each FSDP group's reduce-scattered shard averaged over the replicas in ``wire``."""
 
-    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter]) -> None:
+    def __init__(self, wire: WireFormat, group: Any) -> None:
+        self.wire, self.group = wire, group
+        self.replicas = dist.get_world_size(group)
+        self.calls = 0
+        """Shards averaged (every backward, per FSDP group)."""
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        self.calls += 1
+        r, wire = self.replicas, self.wire
+        if r == 1:
+            return
+        flat = shard.view(-1)
+        if wire.comm_dtype == torch.float32:
+            dist.all_reduce(flat, group=self.group)
+            flat.mul_(1.0 / r)
+            return
+        pre, post = split_average(r, wire.comm_dtype)
+        if wire.sharded:  # DDP's bucket exchange, run to its end here
+            exchange = float32_sum_exchange(flat, wire, self.group, r, pre, post, None)
+            for stage in exchange.stages:
+                stage.compute()
+                stage.issue().wait()
+            exchange.finish()
+            return
+        sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)
+        kernels.pack([flat], sent, pre)
+        dist.all_reduce(sent, group=self.group)
+        kernels.unpack(sent, [flat], post)
+
+
+class FSDPCommState:
+    """What ``register`` set: the wire formats, each FSDP module's reduce-scatter and, with a replicate group, its
+    replica hop."""
+
+    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter],
+                 replica_wire: Optional[WireFormat] = None, replica_hooks: Optional[List[ReplicaAverage]] = None
+                 ) -> None:
         self.wire = wire
         self.comms = comms
+        self.replica_wire = replica_wire
+        self.replica_hooks = replica_hooks or []
 
     @property
     def calls(self) -> int:
@@ -119,10 +168,13 @@ class FSDPCommState:
 
 
 def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
-             accumulate_dtype: Optional[torch.dtype] = torch.float32,
-             error_feedback: Optional[bool] = None) -> FSDPCommState:
+             accumulate_dtype: Optional[torch.dtype] = torch.float32, error_feedback: Optional[bool] = None,
+             replicate_group: Any = None, replicate_comm_dtype: torch.dtype = torch.bfloat16,
+             replicate_accumulate_dtype: Optional[torch.dtype] = torch.float32) -> FSDPCommState:
     """Set our reduce-scatter, in the wire format these options name (``CommState``'s), on every FSDPModule in
-    ``model`` (after ``fully_shard``). Defaults: bfloat16 on the wire, float32 sums. Call on every rank."""
+    ``model`` (after ``fully_shard``). Defaults: bfloat16 on the wire, float32 sums. With ``replicate_group``, also
+    average each shard over the replicas in the ``replicate_`` format (HSDP; see the module docstring). Everything
+    is checked before any module is changed. Call on every rank."""
     if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError(f"ddp_triton.fsdp.register needs torch >= {MIN_TORCH_FOR_FSDP} (FSDP2's "
                            f"set_custom_reduce_scatter); this is torch {torch.__version__}")
@@ -136,9 +188,31 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
     if not modules:
         raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
                          "blocks) first")
-    comms = []
+    replica_wire = None
+    if replicate_group is not None:
+        if not isinstance(replicate_group, dist.ProcessGroup):
+            raise TypeError(f"replicate_group must be a torch.distributed ProcessGroup, got "
+                            f"{type(replicate_group).__name__}")
+        replica_wire = resolve_wire_format(replicate_comm_dtype, replicate_accumulate_dtype)
+        if replica_wire.block_scaled:
+            raise ValueError(f"FP8 ({replica_wire.name}) is not available for the replica hop yet: use "
+                             "torch.bfloat16 with replicate_accumulate_dtype=torch.float32, or torch.float32")
+        if any(_is_native_hsdp(m) for m in modules):
+            raise ValueError("the model is sharded on a 2-D mesh (native HSDP), which all-reduces the replicas "
+                             "itself in float32: shard it on the mesh's shard dimension (mesh['shard']) and pass "
+                             "the replicate dimension's group as replicate_group")
+    comms, hooks = [], []
     for module in modules:
         comm = WireReduceScatter(wire, module)
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
-    return FSDPCommState(wire, comms)
+        if replica_wire is not None:
+            hook = ReplicaAverage(replica_wire, replicate_group)
+            module.set_all_reduce_hook(hook)
+            hooks.append(hook)
+    return FSDPCommState(wire, comms, replica_wire, hooks)
+
+
+def _is_native_hsdp(module: Any) -> bool:
+    """Whether FSDP all-reduces ``module``'s replicas itself (it was sharded on a 2-D mesh)."""
+    return any(getattr(group, "_is_hsdp", False) for group in module._get_fsdp_state()._fsdp_param_groups)

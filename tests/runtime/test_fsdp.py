@@ -176,3 +176,43 @@ def test_a_torch_without_custom_reduce_scatter_is_named(monkeypatch):
     monkeypatch.setattr(fsdp, "FSDPModule", None)
     with pytest.raises(RuntimeError, match=f"needs torch >= {fsdp.MIN_TORCH_FOR_FSDP}"):
         fsdp.register(nn.Linear(2, 2))
+
+
+def _hsdp_worker(rank, world_size):
+    """2 replicas x 2 shards: FSDP2's float32 reduce-scatter inside each replica, then bf16 with float32 sums
+    between the replicas. Rank (i, j) = 2i + j."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    plain, model = make_model(), make_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
+                                     replicate_group=mesh.get_group("replicate"))
+    assert state.replica_wire.name == "bf16+fp32sum"
+    x, y = data(0)
+    per_rank = local_grads(plain, x, y, world_size)
+    backward(model, x, y, rank, world_size)
+    replica, shard_index = divmod(rank, 2)
+    for i, p in enumerate(model.parameters()):
+        in_replica = [(per_rank[2 * k][i] + per_rank[2 * k + 1][i]) / 2 for k in range(2)]  # the shard hop, float32
+        total = sum((s * 0.5).to(torch.bfloat16).float() for s in in_replica).to(torch.bfloat16).float()
+        rows = -(-total.shape[0] // 2)
+        want = total[shard_index * rows:(shard_index + 1) * rows]
+        assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
+    assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]  # the root holds no parameters of its own
+    # A model sharded on the whole 2-D mesh is native HSDP: FSDP all-reduces the replicas itself.
+    native = make_model()
+    fully_shard(native, mesh=mesh)
+    with pytest.raises(ValueError, match="native HSDP"):
+        ddp_triton.fsdp.register(native, replicate_group=mesh.get_group("replicate"))
+    with pytest.raises(ValueError, match="replica hop yet"):
+        ddp_triton.fsdp.register(model, replicate_group=mesh.get_group("replicate"),
+                                 replicate_comm_dtype=torch.float8_e4m3fn)
+    dist.barrier()
+
+
+def test_hsdp_keeps_float32_in_the_replica_and_sends_bf16_between_replicas():
+    torch_path_workers(_hsdp_worker, 4)
