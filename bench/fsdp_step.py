@@ -4,6 +4,7 @@ against ours (``ddp_triton.fsdp.register``: bf16 on the wire, float32 sums).
     python -m bench.fsdp_step --small --steps 2                      # a CPU smoke run, world size 1
     python -m bench.cluster --nodes 2 --procs-per-node 2 --link 1gbit -- python -m bench.fsdp_step --blocks 3 \
         --batch 1 --steps 9 --rounds 3 --link-iface eth0
+    ... --variants hsdp_float32,hsdp_bf16_reduce,hsdp_triton_bf16_fp32sum   # HSDP: replicas = nodes
 
 The MLP of ``bench.ddp_models`` (blocks of Linear(w, 4w) - GELU - Linear(4w, w)), each Linear sharded with
 ``fully_shard`` over all ranks, then the root. Each variant trains its own copy; the variants take turns in rounds
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +38,9 @@ from bench.ddp_models import make_model  # noqa: E402
 from bench.ddp_step import init, link_bytes, node_link_per_step, sync  # noqa: E402
 
 VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum")
+#: HSDP over nodes x local ranks: FSDP2's native HSDP (float32, or both hops in bf16), and ours (float32 in the node,
+#: bf16 with float32 sums between nodes; or bf16 with float32 sums on both hops).
+HSDP_VARIANTS = ("hsdp_float32", "hsdp_bf16_reduce", "hsdp_triton_bf16_fp32sum", "hsdp_triton_bf16_fp32sum_both")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -44,10 +49,17 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if variant not in VARIANTS + HSDP_VARIANTS:
+        raise ValueError(f"unknown variant {variant}; known: {', '.join(VARIANTS + HSDP_VARIANTS)}")
     model = copy.deepcopy(base)
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if variant == "fsdp_bf16_reduce" else None
+    world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if variant in HSDP_VARIANTS:  # replicas are the nodes, shards the ranks of a node
+        mesh2d = init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+        mesh = mesh2d["shard"] if variant.startswith("hsdp_triton") else mesh2d
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if variant.endswith("bf16_reduce") else None
     kwargs: Dict[str, Any] = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -55,8 +67,11 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
     fully_shard(model, **kwargs)
     if variant == "triton_bf16_fp32sum":
         ddp_triton.fsdp.register(model)
-    elif variant not in ("fsdp_float32", "fsdp_bf16_reduce"):
-        raise ValueError(f"unknown variant {variant}; known: {', '.join(VARIANTS)}")
+    elif variant == "hsdp_triton_bf16_fp32sum":
+        ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
+                                 replicate_group=mesh2d.get_group("replicate"))
+    elif variant == "hsdp_triton_bf16_fp32sum_both":
+        ddp_triton.fsdp.register(model, replicate_group=mesh2d.get_group("replicate"))
     return model
 
 
@@ -94,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS + HSDP_VARIANTS))
     if unknown or args.steps < 1 or args.rounds < 1 or args.blocks < 1:
         p.error(f"unknown variants {unknown}" if unknown else "--steps, --rounds and --blocks must be at least 1")
     device = init()

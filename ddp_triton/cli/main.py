@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{','.join(DEFAULT_FORMATS)}: no FP8; e.g. fp8e4m3+ef or 'two-level fp8e4m3+ef' too); "
                            "the hook follows it with comm_dtype='auto'")
     mode.add_argument("--host-cost", choices=("gpu", "cpu"), default=None,
-                      help="--formats: the host cost per bucket the model adds (default: gpu, or cpu on gloo)")
+                      help="--formats with --model-only: the host cost per bucket the model adds: gpu (default) "
+                           "or cpu (gloo ranks on CPU tensors)")
     mode.add_argument("--e2e", metavar="MODULE:FUNCTION",
                       help="time DDP steps of your model: FUNCTION() returns (model, loss_fn), loss_fn(model) "
                            "returns a scalar loss for one batch")

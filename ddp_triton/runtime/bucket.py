@@ -279,6 +279,8 @@ def _fold_once(entry: BucketComm, owed: torch.Tensor, stats: Optional[torch.Tens
     restat = None if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
 
     def fold() -> None:
+        if owed.is_cuda:  # a completion's stream, not the one owed was made on: its memory must wait for this use
+            owed.record_stream(torch.cuda.current_stream(owed.device))
         buffer.copy_(buffer.float().add_(owed).to(buffer.dtype))
         if restat is not None:
             restat()

@@ -70,6 +70,9 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         wire = self.wire
         if wire.comm_dtype == torch.float32:
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if async_op:
+            raise ValueError("ddp_triton's FSDP reduce-scatter runs its 16-bit exchange to its end: FSDP2 calls it "
+                             "with async_op=False; a caller that needs a Work should call it so")
         n = dist.get_world_size(group)
         pre, post = scale_factors(wire.comm_dtype, n, self._divide_factor(op, n))
         send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
@@ -77,16 +80,18 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if wire.sharded:  # all-to-all, then the float32 sum of the N copies of this rank's rows
             received = torch.empty_like(send)
             dist.all_to_all_single(received, send, group=group)
-            if output_tensor.dtype in (torch.float32, wire.comm_dtype):
+            if output_tensor.dtype == torch.float32 or (output_tensor.dtype == wire.comm_dtype and post == 1.0):
                 kernels.sum_slices(received, n, output_tensor)
-            else:  # a reduce dtype that is neither: the float32 sum, then one rounding into it
+            else:  # the float32 sum, scaled, then one rounding into the reduce dtype
                 total = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
                 kernels.sum_slices(received, n, total)
-                output_tensor.copy_(total)
+                output_tensor.copy_(total.mul_(post))
+                return None
         else:  # the reduce-scatter itself in the 16-bit dtype
             shard = torch.empty(output_tensor.numel(), dtype=wire.comm_dtype, device=output_tensor.device)
             dist.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM, group=group)
-            kernels.unpack(shard, [output_tensor], 1.0)
+            kernels.unpack(shard, [output_tensor], post)  # scaled in float32, rounded once
+            return None
         if post != 1.0:
             output_tensor.mul_(post)
         return None
@@ -99,7 +104,10 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if kind == dist.ReduceOp.SUM:
             return 1.0
         if kind == dist.ReduceOp.PREMUL_SUM:
-            groups = self.module._get_fsdp_state()._fsdp_param_groups
+            multiplier = getattr(op, "factor", None)  # what the sum is multiplied by
+            if isinstance(multiplier, float) and multiplier > 0:
+                return 1.0 / multiplier
+            groups = _param_groups(self.module)
             factor = groups[0].gradient_divide_factor if groups else None
             if factor:
                 return float(factor)
@@ -111,6 +119,8 @@ def scale_factors(comm_dtype: torch.dtype, n: int, divide_by: float) -> "tuple[f
     """(pre, post): the input is multiplied by ``pre`` before its one rounding to ``comm_dtype``, the sum by
     ``post``, together a division by ``divide_by``. bfloat16 takes it all before (its range is float32's); float16
     a power of two near 1/sqrt(n) before, the rest after, as ``bucket.split_average`` splits the average."""
+    if divide_by == 1.0:  # a plain sum (FSDP scaled the input itself, if at all)
+        return 1.0, 1.0
     if comm_dtype == torch.float16:
         pre = split_average(n, comm_dtype)[0]
         return pre, 1.0 / (divide_by * pre)
@@ -213,6 +223,16 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
     return FSDPCommState(wire, comms, replica_wire, hooks)
 
 
+def _param_groups(module: Any) -> List[Any]:
+    """The FSDP parameter groups of ``module``: a list in newer torch, one or None in 2.9 and 2.10."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
+
+
 def _is_native_hsdp(module: Any) -> bool:
     """Whether FSDP all-reduces ``module``'s replicas itself (it was sharded on a 2-D mesh)."""
-    return any(getattr(group, "_is_hsdp", False) for group in module._get_fsdp_state()._fsdp_param_groups)
+    return any(getattr(group, "_is_hsdp", False) for group in _param_groups(module))

@@ -46,7 +46,7 @@ ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Pro
 
 
 # Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
-_PICKLE_VERSION = 3  # 2: accumulate_dtype and error_feedback; 3: hierarchical
+_PICKLE_VERSION = 4  # 2: accumulate_dtype and error_feedback; 3: hierarchical; 4: comm_dtype may be "auto"
 
 # Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
 # buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
@@ -463,14 +463,14 @@ def settings_wire(comm_dtype: Any, accumulate_dtype: Any, error_feedback: Any, h
 
 
 def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:
-    """The wire formats ``profile`` chooses among, by name; None (with a warning on every rank) when it chooses
-    none: every bucket then travels in bfloat16."""
+    """The wire formats ``profile``'s table sends buckets in, by name (the table is what the ranks' profile check
+    covers); None (with a warning on every rank) when it chooses none: every bucket then travels in bfloat16."""
     choice = None if profile is None else profile.formats
     if choice is None:
         warn_once("triton_hook: comm_dtype='auto' found no profile that chooses wire formats (make one with "
                   "`ddp-triton autotune --formats ...`); every bucket travels in bfloat16", all_ranks=True)
         return None
-    return {name: wire_format_named(name) for name in choice.admitted}
+    return {name: wire_format_named(name) for name in dict.fromkeys(r.format for r in choice.table)}  # digested
 
 
 _default_states: Dict[int, CommState] = {}

@@ -111,11 +111,19 @@ def test_bf16_with_float32_sums_matches_the_reference(world_size, divide_by):
 
 def _other_formats_worker(rank, world_size):
     """At 2 ranks: fp16 with float32 sums (scaled by 1 before the wire, the power of two nearest 1/sqrt(2), and by
-    1/2 after, in float32) and plain bf16 (the reduce-scatter sums in bf16: one addition, one rounding)."""
-    for options, sent, fp32_sum, pre, post in ((dict(comm_dtype=torch.float16), torch.float16, True, 1.0, 0.5),
-                                               (dict(accumulate_dtype=None), torch.bfloat16, False, 0.5, 1.0)):
+    1/2 after, in float32), plain bf16 (the reduce-scatter sums in bf16: one addition, one rounding), and fp16 where
+    FSDP sums and divides by itself (nothing scaled twice)."""
+    cases = ((dict(comm_dtype=torch.float16), torch.float16, True, 1.0, 0.5, False),
+             (dict(accumulate_dtype=None), torch.bfloat16, False, 0.5, 1.0, False),
+             # FSDP told to sum: it passes SUM and divides the float32 result by N itself, after ours
+             (dict(comm_dtype=torch.float16), torch.float16, True, 1.0, 0.5, True))
+    for options, sent, fp32_sum, pre, post, force_sum in cases:
         plain = make_model()
         model = shard(make_model(), world_size)
+        if force_sum:
+            for module in model.modules():
+                if isinstance(module, fsdp_api.FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
         ddp_triton.fsdp.register(model, **options)
         x, y = data(0)
         per_rank = local_grads(plain, x, y, world_size)
@@ -163,6 +171,9 @@ def _options_worker(rank, world_size):
         ddp_triton.fsdp.register(make_model())
     with pytest.raises(TypeError, match="nn.Module"):
         ddp_triton.fsdp.register("model")
+    comm = ddp_triton.fsdp.register(model).comms[0]
+    with pytest.raises(ValueError, match="async_op=False"):
+        comm(torch.empty(2), torch.empty(2 * world_size), dist.group.WORLD, dist.ReduceOp.AVG, async_op=True)
     dist.barrier()
 
 

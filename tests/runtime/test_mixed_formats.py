@@ -218,6 +218,12 @@ def _fallback_and_disagreement_worker(rank, world_size, tmp):
     torch.distributed.barrier()
     state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=path)
     assert state.formats is None and state.wire.name == "bf16"
+    # The formats a state binds are those its table uses (what the ranks' profile check covers), not every one the
+    # profile admitted: an unused two-level format binds no node groups.
+    unused = mixed_profile(world_size)
+    unused.formats.admitted.append("two-level bf16")
+    state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=unused)
+    assert set(state.formats) == {"bf16", "fp8e4m3+ef", "bf16+fp32sum"} and state.nodes is None
     # Ranks given profiles that choose differently fail together, before any bucket.
     table = TABLE if rank == 0 else [FormatRange(0, None, "bf16")]
     with pytest.raises(RuntimeError, match="profile"):
