@@ -183,17 +183,18 @@ class ShardedComm(BucketComm):
 def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: Any, world_size: int, backend: str,
                 pre_scale: float, post_scale: float, grad_stats: bool, group_for: Callable[[int], Tuple[Any, Any]],
                 residuals: ResidualStore, queue: ExchangeQueue, nodes: Optional[NodeGroups] = None,
-                mixed: bool = False) -> BucketComm:
+                mixed: bool = False, queue_all_reduce: bool = False) -> BucketComm:
     """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and, for FP8, its parameters).
 
     ``group_for(nbytes)`` gives the (group, algorithm) a message of that size goes to; ``nodes``, the groups of a
     two-level exchange (``wire.hierarchical``). Collective for FP8 with error feedback when its residuals move from
     an earlier layout: the caller issues it in the state's one order.
 
-    ``mixed``: the state's buckets travel in formats of their own (a profile's per-size formats). An all-reduce
-    then goes through the exchange queue too, so that every group's collectives keep one order whatever mix of
-    formats is in flight; and a bucket whose format keeps no residuals adds, once, what error feedback still owes
-    its parameters from an earlier layout (``ResidualStore.take_for_fold``: collective when there is any).
+    ``mixed``: the state's buckets travel in formats of their own (a profile's per-size formats): a bucket whose
+    format keeps no residuals adds, once, what error feedback still owes its parameters from an earlier layout
+    (``ResidualStore.take_for_fold``: collective when there is any). ``queue_all_reduce``: some of those formats are
+    staged, so an all-reduce goes through the exchange queue too, and every group's collectives keep one order
+    whatever mix of formats is in flight.
     """
     if buffer.layout != torch.strided:
         raise TypeError("triton_hook does not support sparse gradients; use DDP's default reduction for them")
@@ -221,7 +222,7 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
                               post_scale, stats, residuals, queue)
     else:
         entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for,
-                                 queue if mixed else None)
+                                 queue if queue_all_reduce else None)
     if mixed and not wire.error_feedback and sum(sizes) == buffer.numel():
         owed = residuals.take_for_fold(tuple(map(id, params)), sizes, group, buffer.device)
         if owed is not None:

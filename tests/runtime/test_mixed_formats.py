@@ -224,6 +224,17 @@ def _fallback_and_disagreement_worker(rank, world_size, tmp):
     unused.formats.admitted.append("two-level bf16")
     state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=unused)
     assert set(state.formats) == {"bf16", "fp8e4m3+ef", "bf16+fp32sum"} and state.nodes is None
+    # A table of all-reduce formats only: nothing is staged, so the all-reduces need no queue and take the direct
+    # path; with a staged format among them they go through the queue.
+    for table, queued in (([FormatRange(0, 2047, "bf16"), FormatRange(2048, None, "fp32")], False), (TABLE, True)):
+        ddp = DDP(Three(), bucket_cap_mb=0.0001)
+        state = ddp_triton.register(ddp, comm_dtype="auto", profile=mixed_profile(world_size, table))
+        for _ in range(2):
+            x, y = data(0)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        all_reduces = [e for e in state.buckets.values() if "fp8" not in e.record.wire_format
+                       and "fp32sum" not in e.record.wire_format]
+        assert all_reduces and all((e.exchange is not None) == queued for e in all_reduces), (table, queued)
     # Ranks given profiles that choose differently fail together, before any bucket.
     table = TABLE if rank == 0 else [FormatRange(0, None, "bf16")]
     with pytest.raises(RuntimeError, match="profile"):
