@@ -13,6 +13,15 @@ sends the gradients in a wire format (``wire.py``, the same options and checks a
   16-bit reduce-scatter (``reduce_dtype=torch.bfloat16``) rounds at every hop.
 - ``bfloat16`` / ``float16`` alone: the reduce-scatter in the 16-bit dtype (what ``reduce_dtype`` does, with the
   scaling split as ``bucket.split_average`` splits it).
+- block-scaled FP8 (``torch.float8_e4m3fn`` / ``float8_e5m2``, error feedback on by default): each rank quantizes its
+  input times the average's factor in blocks of 128 that follow each parameter's chunk in each row (a block never
+  holds two parameters), the all-to-all gives rank r the N copies of its row, and it dequantizes and adds them in
+  float32 in rank order: one rounding, to FP8. With error feedback each rank keeps what its rounding left out, for
+  every element of its input (4 bytes per element of the FSDP group's unsharded gradient, on every rank: the cost
+  of feeding back a local rounding before a reduce-scatter), and adds it to the next step's input. No second
+  rounding, so no second stage. The residuals are each rank's own: ``FSDPCommState.state_dict()`` /
+  ``load_state_dict()`` on every rank, saved beside the rank's shard of the model and optimizer (by parameter
+  name, each parameter's residual in its dim-0-padded shape, flat).
 
 The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the group's
 ``gradient_divide_factor``.
@@ -25,18 +34,19 @@ sums: all-to-all, float32 sum, bf16 all-gather, as DDP's bucket), while the shar
 there is FSDP2's own reduce-scatter). Native HSDP (a 2-D mesh given to ``fully_shard``) all-reduces the replicas
 itself, in float32: ``register`` refuses a ``replicate_group`` with it.
 
-Not here yet: block-scaled FP8 with error feedback, and kernels bound once per group (each call launches its passes
-afresh).
+Not here yet: FP8 on the replica hop, the distributed checkpoint's planner for the residuals, and kernels bound
+once per group (each call launches its passes afresh).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..kernels.fp8 import ROW_BYTES
 from .bucket import split_average
 from .exchange import float32_sum_exchange
 from .wire import WireFormat, resolve_wire_format
@@ -60,6 +70,9 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         self.module = module
         self.calls = 0
         """Reduce-scatters run (every backward, per FSDP group)."""
+        self.residual: Optional[torch.Tensor] = None
+        """FP8 with error feedback: float32, what this rank's rounding left out of each element of its input, in
+        FSDP's input layout (rank-major rows of the parameters' chunks); None until the first reduce-scatter."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -74,6 +87,9 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             raise ValueError("ddp_triton's FSDP reduce-scatter runs its 16-bit exchange to its end: FSDP2 calls it "
                              "with async_op=False; a caller that needs a Work should call it so")
         n = dist.get_world_size(group)
+        if wire.block_scaled:
+            self._block_fp8(output_tensor, input_tensor, group, n, 1.0 / self._divide_factor(op, n))
+            return None
         pre, post = scale_factors(wire.comm_dtype, n, self._divide_factor(op, n))
         send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
         kernels.pack([input_tensor], send, pre)
@@ -95,6 +111,40 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if post != 1.0:
             output_tensor.mul_(post)
         return None
+
+    def chunk_sizes(self) -> List[int]:
+        """Elements of each parameter's chunk in one row of FSDP's input, in its order (its dim-0-padded shard)."""
+        groups = _param_groups(self.module)
+        return [p.padded_sharded_param_size.numel() for p in groups[0].fsdp_params] if groups else []
+
+    def _block_fp8(self, output: torch.Tensor, input_tensor: torch.Tensor, group: Any, n: int, scale: float) -> None:
+        sizes = self.chunk_sizes()
+        if sum(sizes) * n != input_tensor.numel():
+            raise RuntimeError(f"FSDP's reduce-scatter input has {input_tensor.numel()} elements; its parameters' "
+                               f"chunks make {sum(sizes)} per row, x {n} ranks: FP8's blocks cannot follow them")
+        layout = kernels.block_layout(sizes * n, n)  # row r's blocks are shard r: the all-to-all's split
+        row_layout = kernels.block_layout(sizes, 1)
+        fmt, device = self.wire.comm_dtype, input_tensor.device
+        residual = None
+        if self.wire.error_feedback:
+            if self.residual is None:
+                self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=device)
+            residual = self.residual
+        send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
+        kernels.quantize_blocks(input_tensor, layout, send, scale, fmt=fmt, residual=residual)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        total = output if output.dtype == torch.float32 else torch.empty(output.numel(), dtype=torch.float32,
+                                                                         device=device)
+        part = torch.empty_like(total) if n > 1 else total
+        step = layout.rows_per_shard * ROW_BYTES
+        for r in range(n):  # rank order, in float32
+            kernels.dequantize_blocks(received[r * step:(r + 1) * step], row_layout, total if r == 0 else part,
+                                      fmt=fmt)
+            if r:
+                total.add_(part)
+        if total is not output:
+            output.copy_(total)
 
     def _divide_factor(self, op: Any, n: int) -> float:
         """What the sum is divided by, from the op FSDP passes."""
@@ -160,17 +210,83 @@ class ReplicaAverage:
         kernels.unpack(sent, [flat], post)
 
 
+#: Version of the dict ``FSDPCommState.state_dict`` returns; a newer one is refused on load.
+STATE_DICT_VERSION = 1
+
+
 class FSDPCommState:
     """What ``register`` set: the wire formats, each FSDP module's reduce-scatter and, with a replicate group, its
-    replica hop."""
+    replica hop; for FP8 with error feedback, the residuals' checkpoint (``state_dict`` / ``load_state_dict``)."""
 
-    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter],
+    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter], model: torch.nn.Module, shard_ranks: int,
                  replica_wire: Optional[WireFormat] = None, replica_hooks: Optional[List[ReplicaAverage]] = None
                  ) -> None:
         self.wire = wire
         self.comms = comms
         self.replica_wire = replica_wire
         self.replica_hooks = replica_hooks or []
+        self.shard_ranks = shard_ranks
+        """Ranks each FSDP group reduce-scatters over (the world, or its share of it with replicas)."""
+        self._names = {id(p): name for name, p in model.named_parameters()}
+
+    def _params(self, comm: WireReduceScatter) -> List[Any]:
+        """(name, chunk elements) of ``comm``'s parameters, in FSDP's input order."""
+        groups = _param_groups(comm.module)
+        params = groups[0].fsdp_params if groups else []
+        return [(self._names[id(p.sharded_param)], p.padded_sharded_param_size.numel()) for p in params]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's error-feedback residuals by parameter name (each flat, its dim-0-padded shape's elements),
+        to save with this rank's shard of the model and optimizer; empty without error feedback."""
+        residuals: Dict[str, torch.Tensor] = {}
+        for comm in self.comms:
+            if comm.residual is None:
+                continue
+            rows = comm.residual.view(self.shard_ranks, -1)
+            offset = 0
+            for name, size in self._params(comm):
+                residuals[name] = rows[:, offset:offset + size].reshape(-1).clone().cpu()
+                offset += size
+        return {"version": STATE_DICT_VERSION, "wire_format": self.wire.name, "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(), "residuals": residuals}
+
+    def load_state_dict(self, saved: Dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned on this rank. Everything is checked first (format, rank and world
+        size, names, sizes, dtype); one ValueError names the mismatch and nothing changes."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("version"), int):
+            raise ValueError(f"an FSDP state_dict of ddp_triton is a dict with a version, got {type(saved).__name__}")
+        if saved["version"] > STATE_DICT_VERSION:
+            raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads up to "
+                             f"{STATE_DICT_VERSION}")
+        here = {"wire_format": self.wire.name, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+        for key, value in here.items():
+            if saved.get(key) != value:
+                raise ValueError(f"the saved residuals are for {key}={saved.get(key)!r}, this state has {value!r}")
+        given = saved.get("residuals")
+        if not isinstance(given, dict):
+            raise ValueError("the saved state has no residuals dict")
+        known = {name: (comm, size) for comm in self.comms for name, size in self._params(comm)}
+        for name, value in given.items():
+            if name not in known:
+                raise ValueError(f"the saved residuals name a parameter {name!r} this model does not have")
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+                raise ValueError(f"the saved residual of {name} is not a float32 tensor")
+            if value.numel() != known[name][1] * self.shard_ranks:
+                raise ValueError(f"the saved residual of {name} has {value.numel()} elements; its padded shape has "
+                                 f"{known[name][1] * self.shard_ranks}")
+        for comm in self.comms:
+            params = self._params(comm)
+            if not any(name in given for name, _ in params):
+                comm.residual = None
+                continue
+            device = next(iter(comm.module.parameters())).device
+            rows = torch.zeros(self.shard_ranks, sum(size for _, size in params), device=device)
+            offset = 0
+            for name, size in params:
+                if name in given:
+                    rows[:, offset:offset + size].copy_(given[name].view(self.shard_ranks, size))
+                offset += size
+            comm.residual = rows.view(-1)
 
     @property
     def calls(self) -> int:
@@ -191,9 +307,6 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"register expects an nn.Module sharded with fully_shard, got {type(model).__name__}")
     wire = resolve_wire_format(comm_dtype, accumulate_dtype, error_feedback)
-    if wire.block_scaled:
-        raise ValueError(f"FP8 ({wire.name}) is not available for FSDP yet: use torch.bfloat16 with "
-                         "accumulate_dtype=torch.float32, or torch.float32")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
@@ -220,7 +333,8 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
             hook = ReplicaAverage(replica_wire, replicate_group)
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
-    return FSDPCommState(wire, comms, replica_wire, hooks)
+    replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+    return FSDPCommState(wire, comms, model, dist.get_world_size() // replicas, replica_wire, hooks)
 
 
 def _param_groups(module: Any) -> List[Any]:

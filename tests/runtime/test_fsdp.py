@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import ddp_triton.fsdp
 from ddp_helpers import torch_path_workers
+from wire_reference import _left_over, quantize_dequantize
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp_api, "FSDPModule") or not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):
@@ -163,8 +164,6 @@ def test_float32_on_the_wire_is_fsdp2_without_us():
 
 def _options_worker(rank, world_size):
     model = shard(make_model(), world_size)
-    with pytest.raises(ValueError, match="FP8 .* is not available for FSDP yet"):
-        ddp_triton.fsdp.register(model, comm_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="error_feedback applies to FP8"):
         ddp_triton.fsdp.register(model, error_feedback=True)
     with pytest.raises(ValueError, match="no FSDP module"):
@@ -227,3 +226,91 @@ def _hsdp_worker(rank, world_size):
 
 def test_hsdp_keeps_float32_in_the_replica_and_sends_bf16_between_replicas():
     torch_path_workers(_hsdp_worker, 4)
+
+
+def _fp8_expected(per_rank, firsts, world_size, fmt):
+    """Every rank's rows of each parameter after FP8 with error feedback, from the definition: each rank's padded
+    gradient / N plus its residual, cut into the N chunks of dim-0 rows, each chunk quantized in blocks of 128 from
+    its start; rank k adds the ranks' dequantized chunk k in float32 in rank order. ``firsts`` (per rank, per
+    parameter, padded shape) are updated as error feedback does. Returns [rank][parameter]."""
+    out = [[] for _ in range(world_size)]
+    for i in range(len(per_rank[0])):
+        shape = per_rank[0][i].shape
+        rows = -(-shape[0] // world_size)
+        total = None
+        for r in range(world_size):
+            padded = torch.zeros((rows * world_size, *shape[1:]))
+            padded[: shape[0]] = per_rank[r][i]
+            value = padded * (1.0 / world_size) + firsts[r][i]
+            sent = torch.cat([quantize_dequantize(value[k * rows:(k + 1) * rows].reshape(-1).clone(), fmt)
+                              for k in range(world_size)]).view_as(value)
+            firsts[r][i] = torch.cat([_left_over(value[k * rows:(k + 1) * rows].reshape(-1).clone(),
+                                                 sent[k * rows:(k + 1) * rows].reshape(-1))
+                                      for k in range(world_size)]).view_as(value)
+            total = sent.clone() if total is None else total + sent
+        for k in range(world_size):
+            out[k].append(total[k * rows:k * rows + max(0, min(rows, shape[0] - k * rows))])
+    return out
+
+
+def _fp8_worker(rank, world_size, tmp):
+    fmt = torch.float8_e4m3fn
+
+    def fresh():
+        model = shard(make_model(), world_size)
+        return model, ddp_triton.fsdp.register(model, comm_dtype=fmt), torch.optim.SGD(model.parameters(), lr=0.05)
+
+    plain = make_model()
+    model, state, opt = fresh()
+    assert state.wire.name == "fp8e4m3+ef"
+    firsts = [[torch.zeros((-(-p.shape[0] // world_size) * world_size, *p.shape[1:])) for p in plain.parameters()]
+              for _ in range(world_size)]
+    for step in range(3):  # bits against the definition, the residuals carried from step to step
+        x, y = data(step)
+        per_rank = local_grads(plain, x, y, world_size)
+        opt.zero_grad()
+        backward(model, x, y, rank, world_size)
+        expected = _fp8_expected(per_rank, firsts, world_size, fmt)
+        for i, p in enumerate(model.parameters()):
+            want = expected[rank][i]
+            assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), \
+                f"parameter {i} at step {step}"
+        with torch.no_grad():
+            for i, q in enumerate(plain.parameters()):
+                q -= 0.05 * torch.cat([expected[k][i] for k in range(world_size)]).view_as(q)
+        opt.step()
+    # Resume: three more steps unbroken, against a save after these three and a load into a fresh model and state.
+    saved = state.state_dict()
+    assert saved["wire_format"] == "fp8e4m3+ef" and len(saved["residuals"]) == 6
+    assert all(t.abs().sum() > 0 for t in saved["residuals"].values())
+    weights = {name: p.to_local().clone() for name, p in model.named_parameters()}
+    for step in range(3, 6):
+        x, y = data(step)
+        opt.zero_grad()
+        backward(model, x, y, rank, world_size)
+        opt.step()
+    unbroken = [p.to_local().clone() for p in model.parameters()]
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save(saved, path)
+    for load_residuals in (True, False):
+        model, state, opt = fresh()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(weights[name])
+        if load_residuals:
+            state.load_state_dict(torch.load(path, weights_only=True))
+        for step in range(3, 6):
+            x, y = data(step)
+            opt.zero_grad()
+            backward(model, x, y, rank, world_size)
+            opt.step()
+        same = all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), unbroken))
+        assert same == load_residuals, load_residuals  # the residuals make the difference
+    bad = dict(torch.load(path, weights_only=True), rank=world_size)
+    with pytest.raises(ValueError, match="rank"):
+        state.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fp8_with_error_feedback_matches_the_reference_and_resumes(world_size, tmp_path):
+    torch_path_workers(_fp8_worker, world_size, str(tmp_path))
