@@ -1,5 +1,5 @@
 """FSDP2 step time and bytes per step: FSDP2's own reduce-scatter (float32, or ``reduce_dtype=torch.bfloat16``)
-against ours (``ddp_triton.fsdp.register``: bf16 on the wire, float32 sums).
+against ours (``ddp_triton.fsdp.register``: bf16 on the wire with float32 sums, or FP8 with error feedback).
 
     python -m bench.fsdp_step --small --steps 2                      # a CPU smoke run, world size 1
     python -m bench.cluster --nodes 2 --procs-per-node 2 --link 1gbit -- python -m bench.fsdp_step --blocks 3 \
@@ -37,7 +37,7 @@ from bench.common import environment, format_table  # noqa: E402
 from bench.ddp_models import make_model  # noqa: E402
 from bench.ddp_step import init, link_bytes, node_link_per_step, sync  # noqa: E402
 
-VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum")
+VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum", "triton_fp8")
 #: HSDP over nodes x local ranks: FSDP2's native HSDP (float32, or both hops in bf16), and ours (float32 in the node,
 #: bf16 with float32 sums between nodes; or bf16 with float32 sums on both hops).
 HSDP_VARIANTS = ("hsdp_float32", "hsdp_bf16_reduce", "hsdp_triton_bf16_fp32sum", "hsdp_triton_bf16_fp32sum_both")
@@ -67,6 +67,8 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
     fully_shard(model, **kwargs)
     if variant == "triton_bf16_fp32sum":
         ddp_triton.fsdp.register(model)
+    elif variant == "triton_fp8":  # block-scaled E4M3 with error feedback
+        ddp_triton.fsdp.register(model, comm_dtype=torch.float8_e4m3fn)
     elif variant == "hsdp_triton_bf16_fp32sum":
         ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
                                  replicate_group=mesh2d.get_group("replicate"))
