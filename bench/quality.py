@@ -17,7 +17,9 @@ Models:
 
 Formats (``ddp_triton.register(ddp, profile=None, ...)`` with): ``fp32`` (comm_dtype=float32: one float32
 all-reduce), ``bf16`` (one bf16 all-reduce), ``bf16+fp32sum`` (accumulate_dtype=float32), ``fp8e4m3+ef``
-(float8_e4m3fn, error feedback on) and ``fp8e4m3`` (error_feedback=False). Each run starts from the same weights
+(float8_e4m3fn, error feedback on) and ``fp8e4m3`` (error_feedback=False), the two-level forms; and FSDP2
+(``fully_shard`` on the whole model, ``FSDP_FORMATS``): its float32 and ``reduce_dtype=torch.bfloat16``
+reduce-scatters, and ours through ``ddp_triton.fsdp.register`` (bf16 with float32 sums, FP8 with error feedback). Each run starts from the same weights
 (``torch.manual_seed``) and sees the same batches (drawn from a generator seeded by step and rank), so the runs
 differ only by what the wire does to the gradients.
 
@@ -73,8 +75,17 @@ FORMATS: Dict[str, Dict[str, Any]] = {
     "two-level bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32, "hierarchical": True},
     "two-level fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True, "hierarchical": True},
 }
-#: The targets: final loss within this fraction of fp32's.
-TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02, "two-level bf16+fp32sum": 0.005, "two-level fp8e4m3+ef": 0.02}
+#: FSDP2 instead of DDP (``fully_shard`` on the model; the same data, weights and optimizer): its own float32 and
+#: ``reduce_dtype=torch.bfloat16`` reduce-scatters, and ours (``ddp_triton.fsdp.register`` with these options).
+FSDP_FORMATS: Dict[str, Optional[Dict[str, Any]]] = {
+    "fsdp fp32": None,
+    "fsdp bf16 reduce_dtype": None,
+    "fsdp bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32},
+    "fsdp fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn},
+}
+#: The targets: final loss within this fraction of fp32's (DDP's fp32 run).
+TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02, "two-level bf16+fp32sum": 0.005, "two-level fp8e4m3+ef": 0.02,
+           "fsdp bf16+fp32sum": 0.005, "fsdp fp8e4m3+ef": 0.02}
 
 #: A fixed selection of the standard library's own sources (present in every CPython 3.9+), 215 KB on 3.11.
 CORPUS_FILES = ("argparse.py", "textwrap.py", "shlex.py", "string.py", "fnmatch.py", "heapq.py", "bisect.py",
@@ -210,11 +221,36 @@ def wire_bytes(state: Any) -> Dict[str, Any]:
             "all_gather_shard_per_step": gathered, "headline": summary.headline()}
 
 
+def fsdp_model(model: nn.Module, fmt: str, world_size: int) -> nn.Module:
+    """``model`` sharded with FSDP2 over every rank (one FSDP group: the whole model), with ``fmt``'s reduce-scatter."""
+    import ddp_triton.fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    if fmt == "fsdp bf16 reduce_dtype":
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    else:
+        fully_shard(model, mesh=mesh)
+    if FSDP_FORMATS[fmt] is not None:
+        ddp_triton.fsdp.register(model, **FSDP_FORMATS[fmt])
+    return model
+
+
+def no_wire_bytes() -> Dict[str, Any]:
+    """What an FSDP run reports for the bytes no state counted there."""
+    return {"per_step": None, "fp32_per_step": None, "ratio_to_fp32": None, "between_nodes_per_step": None,
+            "buckets": [], "all_gather_shard_per_step": None, "headline": "not counted (FSDP2)"}
+
+
 def train(task: Any, fmt: str, steps: int, rank: int, world_size: int) -> Dict[str, Any]:
     torch.manual_seed(0)  # the same initial weights for every format
     model = task.model()
-    ddp = DDP(model, gradient_as_bucket_view=True)
-    state = ddp_triton.register(ddp, profile=None, **FORMATS[fmt])
+    if fmt in FSDP_FORMATS:
+        ddp, state = fsdp_model(model, fmt, world_size), None
+    else:
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        state = ddp_triton.register(ddp, profile=None, **FORMATS[fmt])
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=task.lr)
     losses = torch.zeros(steps, dtype=torch.float64)
     started = time.perf_counter()
@@ -228,9 +264,14 @@ def train(task: Any, fmt: str, steps: int, rank: int, world_size: int) -> Dict[s
     elapsed = time.perf_counter() - started
     dist.all_reduce(losses)  # one collective at the end: the mean over ranks of each step's loss
     losses /= world_size
-    return {"losses": [round(v, 5) for v in losses.tolist()], "eval_loss": round(task.eval_loss(model), 5),
-            "seconds": round(elapsed, 1), "wire_format": state.wire.name, "wire_bytes": wire_bytes(state),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    if state is None:  # FSDP2: the model's parameters are its shards; the held-out loss wants them whole
+        eval_loss = task.eval_loss(ddp)  # collective: every rank evaluates
+        parameters = sum(p.numel() for p in model.parameters())  # a DTensor counts its whole parameter
+    else:
+        eval_loss, parameters = task.eval_loss(model), sum(p.numel() for p in model.parameters())
+    return {"losses": [round(v, 5) for v in losses.tolist()], "eval_loss": round(eval_loss, 5),
+            "seconds": round(elapsed, 1), "wire_format": fmt if state is None else state.wire.name,
+            "wire_bytes": no_wire_bytes() if state is None else wire_bytes(state), "parameters": parameters}
 
 
 def worker(rank: int, world_size: int, store_path: str, out_path: str, models: List[str], formats: List[str],
@@ -282,9 +323,10 @@ def summarize(results: Dict[str, Any], last: int) -> Dict[str, Any]:
         base_final = _final(base["losses"], last) if base else None
         for fmt, run in model["runs"].items():
             final = _final(run["losses"], last)
+            ratio = run["wire_bytes"]["ratio_to_fp32"]
             row = {"final_loss": round(final, 5), "eval_loss": run["eval_loss"],
                    "wire_bytes_per_step": run["wire_bytes"]["per_step"],
-                   "ratio_to_fp32_bytes": round(run["wire_bytes"]["ratio_to_fp32"], 4),
+                   "ratio_to_fp32_bytes": None if ratio is None else round(ratio, 4),
                    "between_nodes_per_step": run["wire_bytes"]["between_nodes_per_step"]}
             if base_final is not None:
                 row["vs_fp32"] = round(final / base_final - 1.0, 5)
@@ -335,7 +377,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny models, a few steps: a smoke run")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks, 2 to 4 (default 2)")
     p.add_argument("--models", default="seed,char", help="comma-separated: seed, char")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: " + ", ".join(FORMATS))
+    p.add_argument("--formats", default=",".join([*FORMATS, *FSDP_FORMATS]),
+                   help="comma-separated: " + ", ".join([*FORMATS, *FSDP_FORMATS]))
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: seed 300, char 300)")
     p.add_argument("--last", type=int, default=None, help=f"final loss: mean of the last steps (default {LAST})")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/quality.json); the plot beside it")
@@ -343,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     formats = [f for f in args.formats.split(",") if f]
-    bad = [m for m in models if m not in TASKS] + [f for f in formats if f not in FORMATS]
+    bad = [m for m in models if m not in TASKS] + [f for f in formats if f not in FORMATS and f not in FSDP_FORMATS]
     if bad or not 2 <= args.world_size <= 4 or not models or not formats:
         p.error(f"unknown models/formats {bad}, or world size {args.world_size} outside 2-4")
     steps = {m: args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)[m] for m in models}
@@ -379,8 +422,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for fmt, row in rows.items():
             run = model["runs"][fmt]
             table.append([fmt, f"{row['final_loss']:.4f}", _pct(row.get("vs_fp32")), f"{row['eval_loss']:.4f}",
-                          _pct(row.get("eval_vs_fp32")), _target(row), row["wire_bytes_per_step"],
-                          f"{row['ratio_to_fp32_bytes']:.3f}", row["between_nodes_per_step"],
+                          _pct(row.get("eval_vs_fp32")), _target(row), row["wire_bytes_per_step"] or "-",
+                          "-" if row["ratio_to_fp32_bytes"] is None else f"{row['ratio_to_fp32_bytes']:.3f}",
+                          row["between_nodes_per_step"] if row["between_nodes_per_step"] is not None else "-",
                           run["wire_bytes"]["all_gather_shard_per_step"] or "-", run["seconds"]])
         print(format_table(["format", "final loss", "vs fp32", "held-out loss", "vs fp32", "target",
                             "bytes/step (state)", "x fp32 bytes", "between nodes", "all-gather shard bytes",

@@ -293,7 +293,7 @@ def test_quality_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["summary"]) == {"seed", "char"}
     for name, rows in data["summary"].items():
-        assert list(rows) == list(quality.FORMATS), name
+        assert list(rows) == [*quality.FORMATS, *quality.FSDP_FORMATS], name
         runs = data["results"][name]["runs"]
         assert all(len(r["losses"]) == data["config"]["steps"][name] for r in runs.values())
         assert all(math.isfinite(row["final_loss"]) for row in rows.values())
