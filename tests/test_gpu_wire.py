@@ -7,6 +7,7 @@ the compiled code (hardware bfloat16 rounding, no FMA contraction) must give the
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -130,3 +131,35 @@ def test_sharded_exchanges_over_nccl(nccl_world_of_one, options):
         for p, w in zip(model.parameters(), want):
             assert_same_bits(p.grad.cpu(), w)
     assert state.passes == 3
+
+
+@pytest.mark.parametrize("options", [dict(), dict(comm_dtype=torch.float8_e4m3fn)], ids=["bf16-fp32sum", "fp8-ef"])
+def test_fsdp_reduce_scatter_over_nccl_same_bits_as_on_cpu(nccl_world_of_one, options):
+    """FSDP2 with ours at world size 1 on CUDA (FSDP calls no reduce-scatter there), then our reduce-scatter called
+    as FSDP calls it, over NCCL: the CUDA kernels and NCCL's all-to-all give the CPU path's bits (that path is
+    checked against the formats' definitions at 2 and 3 gloo ranks in tests/runtime/test_fsdp.py)."""
+    import ddp_triton.fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 300), nn.GELU(), nn.Linear(300, 8)).cuda()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    state = ddp_triton.fsdp.register(model, **options)
+    model(torch.randn(32, 64, device="cuda")).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    comm = next(c for c in state.comms if c.chunk_sizes())
+    sizes = comm.chunk_sizes()
+    flat = gradient_like(sizes)
+    on_gpu = torch.empty(sum(sizes), device="cuda")
+    comm(on_gpu, flat.cuda(), dist.group.WORLD, dist.ReduceOp.AVG)
+    # The CPU path of the same call: a gloo group of one in this process is not available, so the formats' own
+    # definitions at one rank stand in: bf16 rounding, or FP8 blocks that follow the chunks.
+    if options:
+        want = torch.cat([fp8_average([[part]], torch.float8_e4m3fn, scale=1.0)[0]
+                          for part in flat.split(sizes)])
+        assert_same_bits(comm.residual.cpu(), flat - want)  # what the rounding left out, kept for the next step
+    else:
+        want = flat.to(torch.bfloat16).float()
+    assert_same_bits(on_gpu.cpu(), want)
