@@ -34,8 +34,13 @@ sums: all-to-all, float32 sum, bf16 all-gather, as DDP's bucket), while the shar
 there is FSDP2's own reduce-scatter). Native HSDP (a 2-D mesh given to ``fully_shard``) all-reduces the replicas
 itself, in float32: ``register`` refuses a ``replicate_group`` with it.
 
-Not here yet: FP8 on the replica hop, the distributed checkpoint's planner for the residuals, and kernels bound
-once per group (each call launches its passes afresh).
+The replica hop takes FP8 too (``replicate_comm_dtype``, error feedback on by default): DDP's flat FP8 exchange of
+the shard over the replicas, its blocks following the parameters' chunks, both roundings fed back
+(``ReplicaAverage``); its residuals are checkpointed by module name with the rest.
+
+Not here yet: the distributed checkpoint's planner for the residuals, and kernels bound once per group (each call
+launches its passes afresh: FSDP allocates its buffers per step, and holding them would keep a second copy of the
+gradients).
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ import torch.distributed as dist
 from .. import kernels
 from ..kernels.fp8 import ROW_BYTES
 from .bucket import split_average
-from .exchange import float32_sum_exchange
+from ..kernels.fp8 import BLOCK_ELEMENTS
+from .exchange import block_fp8_exchange, float32_sum_exchange
+from .residuals import LayoutResiduals
 from .wire import WireFormat, resolve_wire_format
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
@@ -178,13 +185,20 @@ def scale_factors(comm_dtype: torch.dtype, n: int, divide_by: float) -> "tuple[f
 
 
 class ReplicaAverage:
-    """FSDP2's all-reduce hook: each FSDP group's reduce-scattered shard averaged over the replicas in ``wire``."""
+    """FSDP2's all-reduce hook: each FSDP group's reduce-scattered shard averaged over the replicas in ``wire``.
 
-    def __init__(self, wire: WireFormat, group: Any) -> None:
-        self.wire, self.group = wire, group
+    In FP8 the exchange is DDP's flat one over the replicas (quantize, all-to-all, float32 sum and requantize,
+    all-gather), its blocks following each parameter's chunk in the shard; with error feedback at both roundings,
+    this rank's residuals being ``residuals`` (first stage: every element of its shard; second: the rows it
+    reduces)."""
+
+    def __init__(self, wire: WireFormat, group: Any, comm: WireReduceScatter) -> None:
+        self.wire, self.group, self.comm = wire, group, comm
         self.replicas = dist.get_world_size(group)
         self.calls = 0
         """Shards averaged (every backward, per FSDP group)."""
+        self.residuals: Optional[LayoutResiduals] = None
+        """FP8 with error feedback: this rank's residuals of the replica hop; None until its first shard."""
 
     def __call__(self, shard: torch.Tensor) -> None:
         self.calls += 1
@@ -197,17 +211,47 @@ class ReplicaAverage:
             flat.mul_(1.0 / r)
             return
         pre, post = split_average(r, wire.comm_dtype)
+        if wire.block_scaled:
+            _run(self._fp8_exchange(flat))
+            return
         if wire.sharded:  # DDP's bucket exchange, run to its end here
-            exchange = float32_sum_exchange(flat, wire, self.group, r, pre, post, None)
-            for stage in exchange.stages:
-                stage.compute()
-                stage.issue().wait()
-            exchange.finish()
+            _run(float32_sum_exchange(flat, wire, self.group, r, pre, post, None))
             return
         sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)
         kernels.pack([flat], sent, pre)
         dist.all_reduce(sent, group=self.group)
         kernels.unpack(sent, [flat], post)
+
+    def _fp8_exchange(self, flat: torch.Tensor) -> Any:
+        sizes = tuple(self.comm.chunk_sizes())
+        if sum(sizes) != flat.numel():
+            raise RuntimeError(f"the shard FSDP hands the replica hop has {flat.numel()} elements; its parameters' "
+                               f"chunks make {sum(sizes)}: FP8's blocks cannot follow them")
+        residuals = None
+        if self.wire.error_feedback:
+            if self.residuals is None or self.residuals.sizes != sizes:
+                self.residuals = self.new_residuals(flat.device)
+            residuals = self.residuals
+        return block_fp8_exchange(flat, self.wire, kernels.block_layout(sizes, self.replicas), self.group,
+                                  self.replicas, 1.0 / self.replicas, residuals, None)
+
+    def new_residuals(self, device: torch.device) -> LayoutResiduals:
+        """Zero residuals for this FSDP group's shard, on ``device``."""
+        sizes = tuple(self.comm.chunk_sizes())
+        layout = kernels.block_layout(sizes, self.replicas)
+        return LayoutResiduals((), sizes, layout, (0, sum(sizes)), dist.get_rank(self.group),
+                               torch.zeros(layout.n_elements, dtype=torch.float32, device=device),
+                               torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32,
+                                           device=device))
+
+
+def _run(exchange: Any) -> None:
+    """A staged exchange (``exchange.py``) run to its end on this thread: each stage's computation, its collective
+    awaited, then the last computation."""
+    for stage in exchange.stages:
+        stage.compute()
+        stage.issue().wait()
+    exchange.finish()
 
 
 #: Version of the dict ``FSDPCommState.state_dict`` returns; a newer one is refused on load.
@@ -228,6 +272,7 @@ class FSDPCommState:
         self.shard_ranks = shard_ranks
         """Ranks each FSDP group reduce-scatters over (the world, or its share of it with replicas)."""
         self._names = {id(p): name for name, p in model.named_parameters()}
+        self._module_names = {id(m): name for name, m in model.named_modules()}
 
     def _params(self, comm: WireReduceScatter) -> List[Any]:
         """(name, chunk elements) of ``comm``'s parameters, in FSDP's input order."""
@@ -247,8 +292,14 @@ class FSDPCommState:
             for name, size in self._params(comm):
                 residuals[name] = rows[:, offset:offset + size].reshape(-1).clone().cpu()
                 offset += size
-        return {"version": STATE_DICT_VERSION, "wire_format": self.wire.name, "rank": dist.get_rank(),
-                "world_size": dist.get_world_size(), "residuals": residuals}
+        replica: Dict[str, Dict[str, torch.Tensor]] = {}
+        for hook in self.replica_hooks:
+            if hook.residuals is not None:
+                replica[self._module_names[id(hook.comm.module)]] = {
+                    "first": hook.residuals.first.clone().cpu(), "second": hook.residuals.second.clone().cpu()}
+        return {"version": STATE_DICT_VERSION, "wire_format": self.wire.name, "replica_wire_format":
+                None if self.replica_wire is None else self.replica_wire.name, "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(), "residuals": residuals, "replica_residuals": replica}
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on this rank. Everything is checked first (format, rank and world
@@ -258,7 +309,8 @@ class FSDPCommState:
         if saved["version"] > STATE_DICT_VERSION:
             raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads up to "
                              f"{STATE_DICT_VERSION}")
-        here = {"wire_format": self.wire.name, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+        here = {"wire_format": self.wire.name, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "replica_wire_format": None if self.replica_wire is None else self.replica_wire.name}
         for key, value in here.items():
             if saved.get(key) != value:
                 raise ValueError(f"the saved residuals are for {key}={saved.get(key)!r}, this state has {value!r}")
@@ -274,6 +326,18 @@ class FSDPCommState:
             if value.numel() != known[name][1] * self.shard_ranks:
                 raise ValueError(f"the saved residual of {name} has {value.numel()} elements; its padded shape has "
                                  f"{known[name][1] * self.shard_ranks}")
+        replica = saved.get("replica_residuals") or {}
+        hooks = {self._module_names[id(h.comm.module)]: h for h in self.replica_hooks}
+        for module_name, parts in replica.items():
+            if module_name not in hooks:
+                raise ValueError(f"the saved replica residuals name a module {module_name!r} without a replica hop")
+            fresh = hooks[module_name].new_residuals(torch.device("cpu"))
+            for part in ("first", "second"):
+                value = parts.get(part) if isinstance(parts, dict) else None
+                want = getattr(fresh, part)
+                if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != want.shape:
+                    raise ValueError(f"the saved replica residual {part!r} of module {module_name!r} is not a "
+                                     f"float32 tensor of {want.numel()} elements")
         for comm in self.comms:
             params = self._params(comm)
             if not any(name in given for name, _ in params):
@@ -287,6 +351,14 @@ class FSDPCommState:
                     rows[:, offset:offset + size].copy_(given[name].view(self.shard_ranks, size))
                 offset += size
             comm.residual = rows.view(-1)
+        for name, hook in hooks.items():
+            if name not in replica:
+                hook.residuals = None
+                continue
+            device = next(iter(hook.comm.module.parameters())).device
+            hook.residuals = hook.new_residuals(device)
+            hook.residuals.first.copy_(replica[name]["first"])
+            hook.residuals.second.copy_(replica[name]["second"])
 
     @property
     def calls(self) -> int:
@@ -296,7 +368,8 @@ class FSDPCommState:
 def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
              accumulate_dtype: Optional[torch.dtype] = torch.float32, error_feedback: Optional[bool] = None,
              replicate_group: Any = None, replicate_comm_dtype: torch.dtype = torch.bfloat16,
-             replicate_accumulate_dtype: Optional[torch.dtype] = torch.float32) -> FSDPCommState:
+             replicate_accumulate_dtype: Optional[torch.dtype] = torch.float32,
+             replicate_error_feedback: Optional[bool] = None) -> FSDPCommState:
     """Set our reduce-scatter, in the wire format these options name (``CommState``'s), on every FSDPModule in
     ``model`` (after ``fully_shard``). Defaults: bfloat16 on the wire, float32 sums. With ``replicate_group``, also
     average each shard over the replicas in the ``replicate_`` format (HSDP; see the module docstring). Everything
@@ -316,10 +389,8 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
         if not isinstance(replicate_group, dist.ProcessGroup):
             raise TypeError(f"replicate_group must be a torch.distributed ProcessGroup, got "
                             f"{type(replicate_group).__name__}")
-        replica_wire = resolve_wire_format(replicate_comm_dtype, replicate_accumulate_dtype)
-        if replica_wire.block_scaled:
-            raise ValueError(f"FP8 ({replica_wire.name}) is not available for the replica hop yet: use "
-                             "torch.bfloat16 with replicate_accumulate_dtype=torch.float32, or torch.float32")
+        replica_wire = resolve_wire_format(replicate_comm_dtype, replicate_accumulate_dtype,
+                                           replicate_error_feedback)
         if any(_is_native_hsdp(m) for m in modules):
             raise ValueError("the model is sharded on a 2-D mesh (native HSDP), which all-reduces the replicas "
                              "itself in float32: shard it on the mesh's shard dimension (mesh['shard']) and pass "
@@ -330,7 +401,7 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
         if replica_wire is not None:
-            hook = ReplicaAverage(replica_wire, replicate_group)
+            hook = ReplicaAverage(replica_wire, replicate_group, comm)
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
     replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import ddp_triton.fsdp
 from ddp_helpers import torch_path_workers
-from wire_reference import _left_over, quantize_dequantize
+from wire_reference import _left_over, fp8_average, quantize_dequantize
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp_api, "FSDPModule") or not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):
@@ -218,9 +218,6 @@ def _hsdp_worker(rank, world_size):
     fully_shard(native, mesh=mesh)
     with pytest.raises(ValueError, match="native HSDP"):
         ddp_triton.fsdp.register(native, replicate_group=mesh.get_group("replicate"))
-    with pytest.raises(ValueError, match="replica hop yet"):
-        ddp_triton.fsdp.register(model, replicate_group=mesh.get_group("replicate"),
-                                 replicate_comm_dtype=torch.float8_e4m3fn)
     dist.barrier()
 
 
@@ -314,3 +311,86 @@ def _fp8_worker(rank, world_size, tmp):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fp8_with_error_feedback_matches_the_reference_and_resumes(world_size, tmp_path):
     torch_path_workers(_fp8_worker, world_size, str(tmp_path))
+
+
+def _hsdp_fp8_worker(rank, world_size, tmp):
+    """2 replicas x 2 shards, FP8 with error feedback between the replicas: each shard's chunks averaged over the
+    replicas as DDP's flat FP8 exchange averages a bucket (both roundings fed back), over three steps; then a resume
+    bit-identical only with the residuals of both hops."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fmt = torch.float8_e4m3fn
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def fresh():
+        model = make_model()
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        state = ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
+                                         replicate_group=mesh.get_group("replicate"), replicate_comm_dtype=fmt)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    plain = make_model()
+    model, state, opt = fresh()
+    assert state.replica_wire.name == "fp8e4m3+ef"
+    replica, shard_index = divmod(rank, 2)
+    shapes = [p.shape for p in plain.parameters()]
+    rows = [-(-s[0] // 2) for s in shapes]
+
+    def chunk(t, i, j):
+        padded = torch.zeros((rows[i] * 2, *shapes[i][1:]))
+        padded[: shapes[i][0]] = t
+        return padded[j * rows[i]:(j + 1) * rows[i]].reshape(-1).clone()
+
+    first = {j: [[torch.zeros(rows[i] * int(torch.tensor(shapes[i][1:]).prod())) for i in range(len(shapes))]
+                 for _ in range(2)] for j in range(2)}
+    second = {j: [torch.zeros_like(first[j][0][i]) for i in range(len(shapes))] for j in range(2)}
+    for step in range(3):
+        x, y = data(step)
+        per_rank = local_grads(plain, x, y, world_size)
+        opt.zero_grad()
+        backward(model, x, y, rank, world_size)
+        averaged = {}
+        for j in range(2):  # each shard's replica exchange
+            values = [[chunk((per_rank[2 * k][i] + per_rank[2 * k + 1][i]) / 2, i, j) for i in range(len(shapes))]
+                      for k in range(2)]
+            averaged[j] = fp8_average(values, fmt, first[j], second[j])
+        for i, p in enumerate(model.parameters()):
+            got = p.grad.to_local().contiguous().reshape(-1)
+            want = averaged[shard_index][i][: got.numel()]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"parameter {i} at step {step}"
+        with torch.no_grad():
+            for i, q in enumerate(plain.parameters()):
+                whole = torch.cat([averaged[j][i] for j in range(2)])[: q.numel()]
+                q -= 0.05 * whole.view_as(q)
+        opt.step()
+    saved = state.state_dict()
+    assert saved["replica_wire_format"] == "fp8e4m3+ef" and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
+    weights = {name: p.to_local().clone() for name, p in model.named_parameters()}
+    for step in range(3, 5):
+        x, y = data(step)
+        opt.zero_grad()
+        backward(model, x, y, rank, world_size)
+        opt.step()
+    unbroken = [p.to_local().clone() for p in model.parameters()]
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save(saved, path)
+    for load in (True, False):
+        model, state, opt = fresh()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(weights[name])
+        if load:
+            state.load_state_dict(torch.load(path, weights_only=True))
+        for step in range(3, 5):
+            x, y = data(step)
+            opt.zero_grad()
+            backward(model, x, y, rank, world_size)
+            opt.step()
+        assert all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), unbroken)) == load, load
+
+
+def test_hsdp_fp8_between_replicas_matches_the_reference_and_resumes(tmp_path):
+    torch_path_workers(_hsdp_fp8_worker, 4, str(tmp_path))
