@@ -39,8 +39,10 @@ from bench.ddp_step import init, link_bytes, node_link_per_step, sync  # noqa: E
 
 VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum", "triton_fp8")
 #: HSDP over nodes x local ranks: FSDP2's native HSDP (float32, or both hops in bf16), and ours (float32 in the node,
-#: bf16 with float32 sums between nodes; or bf16 with float32 sums on both hops).
-HSDP_VARIANTS = ("hsdp_float32", "hsdp_bf16_reduce", "hsdp_triton_bf16_fp32sum", "hsdp_triton_bf16_fp32sum_both")
+#: bf16 with float32 sums between nodes; or bf16 with float32 sums on both hops; or FP8 with error feedback between
+#: nodes).
+HSDP_VARIANTS = ("hsdp_float32", "hsdp_bf16_reduce", "hsdp_triton_bf16_fp32sum", "hsdp_triton_bf16_fp32sum_both",
+                 "hsdp_triton_fp8")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -74,6 +76,10 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
                                  replicate_group=mesh2d.get_group("replicate"))
     elif variant == "hsdp_triton_bf16_fp32sum_both":
         ddp_triton.fsdp.register(model, replicate_group=mesh2d.get_group("replicate"))
+    elif variant == "hsdp_triton_fp8":  # float32 in the node, FP8 with error feedback between nodes
+        ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
+                                 replicate_group=mesh2d.get_group("replicate"),
+                                 replicate_comm_dtype=torch.float8_e4m3fn)
     return model
 
 
