@@ -34,6 +34,7 @@ from bench.common import format_table  # noqa: E402
 from ddp_triton.kernels import blockscale, slices  # noqa: E402
 from ddp_triton.kernels.blocks import block_layout  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, E4M3, ROW_BYTES, ROW_WORDS  # noqa: E402
+from ddp_triton.kernels.dtypes import OUT_KIND  # noqa: E402
 
 MiB = 1 << 20
 WORLD = 8
@@ -69,6 +70,11 @@ def launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
         ("sum slices bf16 x8", slices._sum_slices_kernel,
          (bf16.view(torch.int16), bf16[: n // WORLD].view(torch.int16), WORLD, n // WORLD),
          dict(BLOCK=slices._BLOCK, SRC_BF16=True, OUT_KIND=0, HW_CONVERT=True), slices._NUM_WARPS, {}),
+        # FSDP's reduce-scatter keeps the float32 sum itself
+        ("sum slices bf16 x8 -> fp32", slices._sum_slices_kernel,
+         (bf16.view(torch.int16), bucket[: n // WORLD].view(torch.int32), WORLD, n // WORLD),
+         dict(BLOCK=slices._BLOCK, SRC_BF16=True, OUT_KIND=OUT_KIND[torch.float32], HW_CONVERT=True),
+         slices._NUM_WARPS, {}),
     ]
 
 
