@@ -23,8 +23,8 @@ sends the gradients in a wire format (``wire.py``, the same options and checks a
   ``load_state_dict()`` on every rank, saved beside the rank's shard of the model and optimizer (by parameter
   name, each parameter's residual in its dim-0-padded shape, flat).
 
-The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the group's
-``gradient_divide_factor``.
+The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the factor it
+carries (the module's ``gradient_divide_factor``).
 
 HSDP with a compressed replica hop (``replicate_group``): shard the model on the shard dimension of a 2-D mesh only
 (``fully_shard(module, mesh=mesh["shard"])``, each replica an FSDP group of its own, the ranks of a node, say) and
@@ -51,9 +51,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..kernels.fp8 import ROW_BYTES
+from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
-from ..kernels.fp8 import BLOCK_ELEMENTS
 from .exchange import block_fp8_exchange, float32_sum_exchange
 from .residuals import LayoutResiduals
 from .wire import WireFormat, resolve_wire_format
