@@ -394,3 +394,36 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
 
 def test_hsdp_fp8_between_replicas_matches_the_reference_and_resumes(tmp_path):
     torch_path_workers(_hsdp_fp8_worker, 4, str(tmp_path))
+
+
+def _fp16_sum_worker(rank, world_size):
+    """4 ranks, fp16 with float32 sums, FSDP told to sum (it divides the float32 result by N itself): the gradients
+    go to the wire unscaled, as FSDP handed them, so small ones keep their fp16 bits (a pre-scale of 1/2 would
+    push them towards fp16's subnormals, where bits are lost)."""
+    plain = make_model()
+    model = shard(make_model(), world_size)
+    for module in model.modules():
+        if isinstance(module, fsdp_api.FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    ddp_triton.fsdp.register(model, comm_dtype=torch.float16)
+    x, y = data(0)
+    per = BATCH // world_size
+
+    def small_loss(m, r):  # small gradients
+        return nn.functional.mse_loss(m(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]) * 1e-3
+
+    per_rank = []
+    for r in range(world_size):
+        copy_ = copy.deepcopy(plain)
+        small_loss(copy_, r).backward()
+        per_rank.append([q.grad.clone() for q in copy_.parameters()])
+    small_loss(model, rank).backward()
+    for i, p in enumerate(model.parameters()):
+        total = sum(g[i].to(torch.float16).float() for g in per_rank) / world_size
+        rows = -(-total.shape[0] // world_size)
+        want = total[rank * rows:(rank + 1) * rows]
+        assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
+
+
+def test_fp16_when_fsdp_sums_is_not_scaled_twice():
+    torch_path_workers(_fp16_sum_worker, 4)
