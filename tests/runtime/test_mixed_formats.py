@@ -265,3 +265,77 @@ def test_an_auto_state_pickles_as_its_settings():
     again = pickle.loads(pickle.dumps(state))
     assert again.comm_dtype == "auto" and again.profile == "auto" and again.wire_setting == "auto"
     assert not again.bound and again.formats is None
+
+
+TWO_LEVEL_TABLE = [FormatRange(0, 2047, "bf16+fp32sum"), FormatRange(2048, None, "two-level fp8e4m3+ef")]
+
+
+def _two_level_mixed_worker(rank, world_size):
+    """4 ranks on 2 nodes (GROUP_RANK): small buckets in bf16 with float32 sums, the others two-level FP8 with error
+    feedback. DDP's first step sends all six tensors two-level; its rebuilt buckets send four of them flat, which
+    must take in what their two-level residuals still owe (every node's first stage and the second)."""
+    import os
+
+    from wire_reference import two_level_average
+
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    profile = mixed_profile(world_size, TWO_LEVEL_TABLE)
+    model = Three()
+    state = ddp_triton.CommState(comm_dtype="auto", profile=profile)
+    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    buckets = []
+
+    def recording_hook(state, bucket):
+        buckets.append([index[id(p)] for p in bucket.parameters()])
+        return ddp_triton.triton_hook(state, bucket)
+
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    ddp.register_comm_hook(state, recording_hook)
+    plain = copy.deepcopy(model)
+    params = list(plain.parameters())
+    first = {}  # parameter index -> per-node first stage (flat); second: -> flat
+    second = {}
+    folded = set()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = data(step)
+        per_rank = [local_grads(plain, x, y, r, world_size) for r in range(world_size)]
+        buckets.clear()
+        opt.zero_grad()
+        per = BATCH // world_size
+        nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        for members in buckets:
+            sizes = [params[i].numel() for i in members]
+            fmt = profile.format_for(sum(sizes) * 4)
+            if fmt == "two-level fp8e4m3+ef":
+                flat = [torch.cat([g[i].reshape(-1) for i in members]) for g in per_rank]
+                f = [torch.cat([first.get(i, torch.zeros(2, params[i].numel()))[k] for i in members]) for k in range(2)]
+                s = torch.cat([second.get(i, torch.zeros(params[i].numel())) for i in members])
+                averaged = two_level_average(flat, sizes, 2, E4M3, True, f, s)
+                offset = 0
+                for i, size in zip(members, sizes):
+                    part = slice(offset, offset + size)
+                    first[i] = torch.stack([f[k][part] for k in range(2)])
+                    second[i] = s[part].clone()
+                    params[i].grad = averaged[part].view_as(params[i]).clone()
+                    offset += size
+            else:
+                averaged = float32_sum_average([[g[i] for i in members] for g in per_rank], torch.bfloat16)
+                for i, value in zip(members, averaged):
+                    if i in first:  # owed: every node's first stage and the second, once
+                        owed = first.pop(i).sum(dim=0) + second.pop(i)
+                        value = value + owed.view_as(value)
+                        folded.add(i)
+                    params[i].grad = value.view_as(params[i]).clone()
+        for i, p in enumerate(model.parameters()):
+            assert torch.equal(p.grad.view(torch.int32), params[i].grad.contiguous().view(torch.int32)), \
+                f"parameter {i} at step {step} ({buckets})"
+        opt.step()
+        plain_opt.step()
+    assert folded, "no parameter moved from a two-level FP8 bucket to one without error feedback"
+
+
+def test_mixed_formats_with_a_two_level_one_match_the_reference():
+    torch_path_workers(_two_level_mixed_worker, 4)
