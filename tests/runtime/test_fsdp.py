@@ -225,6 +225,37 @@ def test_hsdp_keeps_float32_in_the_replica_and_sends_bf16_between_replicas():
     torch_path_workers(_hsdp_worker, 4)
 
 
+def resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, steps):
+    """Save ``state``'s residuals and the weights, then train ``steps`` unbroken; from the saved point, a model and
+    state from ``fresh()`` trains the same steps with the residuals loaded (the same bits) and without them (not the
+    same). Returns what was saved and its file."""
+    saved = state.state_dict()
+    weights = {name: p.to_local().clone() for name, p in model.named_parameters()}
+
+    def train(model, opt):
+        for step in steps:
+            x, y = data(step)
+            opt.zero_grad()
+            backward(model, x, y, rank, world_size)
+            opt.step()
+
+    train(model, opt)
+    unbroken = [p.to_local().clone() for p in model.parameters()]
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save(saved, path)
+    for load in (True, False):
+        model, state, opt = fresh()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(weights[name])
+        if load:
+            state.load_state_dict(torch.load(path, weights_only=True))
+        train(model, opt)
+        same = all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), unbroken))
+        assert same == load, load  # the residuals make the difference
+    return saved, path
+
+
 def _fp8_expected(per_rank, firsts, world_size, fmt):
     """Every rank's rows of each parameter after FP8 with error feedback, from the definition: each rank's padded
     gradient / N plus its residual, cut into the N chunks of dim-0 rows, each chunk quantized in blocks of 128 from
@@ -277,32 +308,10 @@ def _fp8_worker(rank, world_size, tmp):
                 q -= 0.05 * torch.cat([expected[k][i] for k in range(world_size)]).view_as(q)
         opt.step()
     # Resume: three more steps unbroken, against a save after these three and a load into a fresh model and state.
-    saved = state.state_dict()
+    saved, path = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 6))
     assert saved["wire_format"] == "fp8e4m3+ef" and len(saved["residuals"]) == 6
     assert all(t.abs().sum() > 0 for t in saved["residuals"].values())
-    weights = {name: p.to_local().clone() for name, p in model.named_parameters()}
-    for step in range(3, 6):
-        x, y = data(step)
-        opt.zero_grad()
-        backward(model, x, y, rank, world_size)
-        opt.step()
-    unbroken = [p.to_local().clone() for p in model.parameters()]
-    path = f"{tmp}/rank{rank}.pt"
-    torch.save(saved, path)
-    for load_residuals in (True, False):
-        model, state, opt = fresh()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.to_local().copy_(weights[name])
-        if load_residuals:
-            state.load_state_dict(torch.load(path, weights_only=True))
-        for step in range(3, 6):
-            x, y = data(step)
-            opt.zero_grad()
-            backward(model, x, y, rank, world_size)
-            opt.step()
-        same = all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), unbroken))
-        assert same == load_residuals, load_residuals  # the residuals make the difference
+    state = fresh()[1]
     bad = dict(torch.load(path, weights_only=True), rank=world_size)
     with pytest.raises(ValueError, match="rank"):
         state.load_state_dict(bad)
@@ -366,30 +375,8 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
                 whole = torch.cat([averaged[j][i] for j in range(2)])[: q.numel()]
                 q -= 0.05 * whole.view_as(q)
         opt.step()
-    saved = state.state_dict()
+    saved, _ = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 5))
     assert saved["replica_wire_format"] == "fp8e4m3+ef" and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
-    weights = {name: p.to_local().clone() for name, p in model.named_parameters()}
-    for step in range(3, 5):
-        x, y = data(step)
-        opt.zero_grad()
-        backward(model, x, y, rank, world_size)
-        opt.step()
-    unbroken = [p.to_local().clone() for p in model.parameters()]
-    path = f"{tmp}/rank{rank}.pt"
-    torch.save(saved, path)
-    for load in (True, False):
-        model, state, opt = fresh()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.to_local().copy_(weights[name])
-        if load:
-            state.load_state_dict(torch.load(path, weights_only=True))
-        for step in range(3, 5):
-            x, y = data(step)
-            opt.zero_grad()
-            backward(model, x, y, rank, world_size)
-            opt.step()
-        assert all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), unbroken)) == load, load
 
 
 def test_hsdp_fp8_between_replicas_matches_the_reference_and_resumes(tmp_path):
