@@ -51,7 +51,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,6 +100,21 @@ def _ours(**options: Any) -> Callable[[DDP], Any]:
     return lambda ddp: ddp_triton.register(ddp, profile=None, **options)
 
 
+def _auto(*ranges: Tuple[int, Optional[int], str]) -> Callable[[DDP], Any]:
+    """Ours with ``comm_dtype="auto"``, following a one-rank profile whose formats are ``ranges``."""
+    from ddp_triton.machine.profile import FormatChoice, FormatRange, Profile, TableEntry
+
+    def register(ddp: DDP) -> Any:
+        table = [FormatRange(lo, hi, fmt) for lo, hi, fmt in ranges]
+        names = sorted({r.format for r in table})
+        profile = Profile(source="model", backend="model", world_size=1, nodes=1, comm_dtype="bfloat16",
+                          bucket_cap_mb=25.0, table=[TableEntry(0, None, "ring")],
+                          formats=FormatChoice(source="model", allowed=names, admitted=names, table=table))
+        return ddp_triton.register(ddp, comm_dtype="auto", profile=profile)
+
+    return register
+
+
 VARIANTS: List[Variant] = [
     Variant("no_hook", "no hook (DDP's built-in all-reduce)", None, None, lambda ddp: None),
     Variant("allreduce_hook", "torch allreduce_hook", None, None, _torch_hook(default_hooks.allreduce_hook)),
@@ -113,6 +128,12 @@ VARIANTS: List[Variant] = [
             _ours(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)),
     Variant("triton_fp8", "ours, FP8 e4m3 + error feedback", "bf16_compress_hook", "fp8_ratio",
             _ours(comm_dtype=torch.float8_e4m3fn)),
+    # Per-size formats from a profile: every bucket here is bf16; with a staged format in the table (for sizes no
+    # bucket has), the all-reduces go through the exchange queue.
+    Variant("triton_auto_bf16", "ours, comm_dtype='auto' (bf16 only)", "triton_bf16", "auto_direct_ratio",
+            _auto((0, None, "bf16"))),
+    Variant("triton_auto_queued", "ours, comm_dtype='auto' (bf16, FP8 above 1 MiB: queued)", "triton_bf16",
+            "auto_queued_ratio", _auto((0, 1 << 20, "bf16"), ((1 << 20) + 1, None, "fp8e4m3+ef"))),
 ]
 
 
