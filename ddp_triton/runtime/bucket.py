@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .exchange import (ExchangeQueue, StagedExchange, all_reduce_exchange, block_fp8_exchange,
-                       float32_sum_exchange)
+from .exchange import (ExchangeQueue, StagedExchange, all_reduce_exchange, all_reduce_options,
+                       block_fp8_exchange, float32_sum_exchange)
 from .nodes import NodeGroups
 from .two_level import two_level_exchange
 from .grad_stats import BucketCoverage, new_stats
@@ -135,10 +135,7 @@ class AllReduceComm(BucketComm):
                  unpack: Callable[[], None], op: Any) -> None:
         super().__init__(buffer, wire_buffer, group, algorithm, stats, record)
         self.pack, self.unpack, self.op = pack, unpack, op
-        self.opts = dist.AllreduceOptions()
-        self.opts.reduceOp = op
-        if hasattr(self.opts, "asyncOp"):  # torch >= 2.7: what dist.all_reduce(async_op=True) sets
-            self.opts.asyncOp = True
+        self.opts = all_reduce_options(op)
         self._tensors = [wire_buffer]
 
     def start(self, last: bool) -> torch.futures.Future:

@@ -313,14 +313,20 @@ def _fail(result: torch.futures.Future, exc: BaseException) -> None:
         result.set_exception(exc)
 
 
-def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: Any, op: Any,
-                        pack: Callable[[], None], unpack: Callable[[], None]) -> StagedExchange:
-    """One all-reduce as a one-stage exchange (pack, all-reduce of ``wire_buffer`` with ``op``, unpack), for a state
-    whose buckets mix formats: through the queue, it keeps its place in its group's one order."""
+def all_reduce_options(op: Any) -> Any:
+    """The options of an asynchronous all-reduce with ``op``, for a process group's own ``allreduce`` call."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     if hasattr(opts, "asyncOp"):  # torch >= 2.7: what dist.all_reduce(async_op=True) sets
         opts.asyncOp = True
+    return opts
+
+
+def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: Any, op: Any,
+                        pack: Callable[[], None], unpack: Callable[[], None]) -> StagedExchange:
+    """One all-reduce as a one-stage exchange (pack, all-reduce of ``wire_buffer`` with ``op``, unpack), for a state
+    whose buckets mix formats: through the queue, it keeps its place in its group's one order."""
+    opts = all_reduce_options(op)
     tensors = [wire_buffer]
     stage = Stage("pack", pack, "all_reduce", lambda: group.allreduce(tensors, opts), group)
     return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))

@@ -60,11 +60,28 @@ def data(step):
     return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
 
 
+def recording(model):
+    """A hook that records each bucket's parameters (indices in ``model``) as DDP hands them, then runs ours; and
+    the list it appends to."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    buckets = []
+
+    def recording_hook(state, bucket):
+        buckets.append([index[id(p)] for p in bucket.parameters()])
+        return ddp_triton.triton_hook(state, bucket)
+
+    return recording_hook, buckets
+
+
+def local_backward(model, x, y, rank, world_size):
+    per = BATCH // world_size
+    nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+
+
 def local_grads(model, x, y, rank, world_size):
     model = copy.deepcopy(model)
     model.zero_grad()
-    per = BATCH // world_size
-    nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+    local_backward(model, x, y, rank, world_size)
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -113,12 +130,7 @@ def _mixed_worker(rank, world_size):
     profile = mixed_profile(world_size)
     model = Three()
     state = ddp_triton.CommState(comm_dtype="auto", profile=profile)
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    buckets = []
-
-    def recording_hook(state, bucket):
-        buckets.append([index[id(p)] for p in bucket.parameters()])
-        return ddp_triton.triton_hook(state, bucket)
+    recording_hook, buckets = recording(model)
 
     reference = Reference(profile, world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -132,8 +144,7 @@ def _mixed_worker(rank, world_size):
             per_rank = [local_grads(model, x, y, r, world_size) for r in range(world_size)]
             buckets.clear()
             opt.zero_grad()
-            per = BATCH // world_size
-            nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            local_backward(ddp, x, y, rank, world_size)
             expected = reference.expected(buckets, per_rank)
             assert sorted(expected) == list(range(6)), (step, buckets)
             for i, p in enumerate(model.parameters()):
@@ -165,8 +176,7 @@ def _resume_worker(rank, world_size, tmp):
         for step in steps:
             x, y = data(step)
             opt.zero_grad()
-            per = BATCH // world_size
-            nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            local_backward(ddp, x, y, rank, world_size)
             opt.step()
 
     def fresh():
@@ -283,12 +293,7 @@ def _two_level_mixed_worker(rank, world_size):
     model = Three()
     state = ddp_triton.CommState(comm_dtype="auto", profile=profile)
     assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    buckets = []
-
-    def recording_hook(state, bucket):
-        buckets.append([index[id(p)] for p in bucket.parameters()])
-        return ddp_triton.triton_hook(state, bucket)
+    recording_hook, buckets = recording(model)
 
     ddp = DDP(model, bucket_cap_mb=0.0001)
     ddp.register_comm_hook(state, recording_hook)
@@ -304,8 +309,7 @@ def _two_level_mixed_worker(rank, world_size):
         per_rank = [local_grads(plain, x, y, r, world_size) for r in range(world_size)]
         buckets.clear()
         opt.zero_grad()
-        per = BATCH // world_size
-        nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        local_backward(ddp, x, y, rank, world_size)
         for members in buckets:
             sizes = [params[i].numel() for i in members]
             fmt = profile.format_for(sum(sizes) * 4)

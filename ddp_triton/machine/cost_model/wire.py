@@ -201,11 +201,6 @@ class FormatName:
         """The name of ``WIRE_FORMATS`` that travels as this format does (what the pricing functions take)."""
         return canonical_wire_format(self.name[len(TWO_LEVEL):] if self.two_level else self.name)
 
-    @property
-    def staged(self) -> bool:
-        """Exchanged in several collectives (through the runtime's exchange queue) rather than one all-reduce."""
-        return self.two_level or self.traffic not in _ALL_REDUCE_ITEMSIZE
-
 
 def parse_format(name: str) -> FormatName:
     """The FormatName of a runtime format name; ValueError naming what is wrong. FP8 sums are always float32 and
