@@ -38,19 +38,25 @@ The replica hop takes FP8 too (``replicate_comm_dtype``, error feedback on by de
 the shard over the replicas, its blocks following the parameters' chunks, both roundings fed back
 (``ReplicaAverage``); its residuals are checkpointed by module name with the rest.
 
-Not here yet: the distributed checkpoint's planner for the residuals, and kernels bound once per group (each call
-launches its passes afresh: FSDP allocates its buffers per step, and holding them would keep a second copy of the
-gradients).
+What is bound once per FSDP group: its FP8 block tables (each parameter's chunk cut into blocks, per row and for the
+whole input; on the device once), built at the group's first reduce-scatter and reused while its parameters'
+chunks and rank count stay what they were (checked at every call; a change builds them anew). Building them is a
+pass over every block in Python, milliseconds per group per step. The launches themselves are not bound: their
+input and output are the buffers FSDP allocates per step (one becomes the sharded gradient), and binding to buffers
+of our own would hold a copy of the group's gradients between steps.
+
+Not here yet: the distributed checkpoint's planner for the residuals.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
 from .exchange import block_fp8_exchange, float32_sum_exchange
@@ -68,6 +74,14 @@ except ImportError:  # pragma: no cover - depends on the torch installed
 MIN_TORCH_FOR_FSDP = "2.9"
 
 
+def cached_layout(sizes: Tuple[int, ...], n_shards: int, cached: Optional[BlockLayout]) -> BlockLayout:
+    """``cached`` if it is the block layout of ``sizes`` over ``n_shards``, else that layout built anew: an FSDP
+    group's layouts are built at its first reduce-scatter and reused while its chunks and rank count stay."""
+    if cached is not None and cached.n_shards == n_shards and cached.sizes == sizes:
+        return cached
+    return kernels.block_layout(sizes, n_shards)
+
+
 class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP2's reduce-scatter of one FSDP module's gradients in ``wire``."""
 
@@ -76,6 +90,11 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         self.module = module
         self.calls = 0
         """Reduce-scatters run (every backward, per FSDP group)."""
+        self.layout: Optional[BlockLayout] = None
+        """FP8: the blocks of FSDP's whole input (row r, each parameter's chunk in blocks of its own, is shard r),
+        from the first reduce-scatter on."""
+        self.row_layout: Optional[BlockLayout] = None
+        """FP8: the blocks of one row."""
         self.residual: Optional[torch.Tensor] = None
         """FP8 with error feedback: float32, what this rank's rounding left out of each element of its input, in
         FSDP's input layout (rank-major rows of the parameters' chunks); None until the first reduce-scatter."""
@@ -124,12 +143,12 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         return [p.padded_sharded_param_size.numel() for p in groups[0].fsdp_params] if groups else []
 
     def _block_fp8(self, output: torch.Tensor, input_tensor: torch.Tensor, group: Any, n: int, scale: float) -> None:
-        sizes = self.chunk_sizes()
+        sizes = tuple(self.chunk_sizes())
         if sum(sizes) * n != input_tensor.numel():
             raise RuntimeError(f"FSDP's reduce-scatter input has {input_tensor.numel()} elements; its parameters' "
                                f"chunks make {sum(sizes)} per row, x {n} ranks: FP8's blocks cannot follow them")
-        layout = kernels.block_layout(sizes * n, n)  # row r's blocks are shard r: the all-to-all's split
-        row_layout = kernels.block_layout(sizes, 1)
+        layout = self.layout = cached_layout(sizes * n, n, self.layout)  # row r's blocks are shard r
+        row_layout = self.row_layout = cached_layout(sizes, 1, self.row_layout)
         fmt, device = self.wire.comm_dtype, input_tensor.device
         residual = None
         if self.wire.error_feedback:
@@ -198,6 +217,8 @@ class ReplicaAverage:
         """Shards averaged (every backward, per FSDP group)."""
         self.residuals: Optional[LayoutResiduals] = None
         """FP8 with error feedback: this rank's residuals of the replica hop; None until its first shard."""
+        self.layout: Optional[BlockLayout] = None
+        """FP8: the shard's blocks over the replicas, from the first shard on."""
 
     def __call__(self, shard: torch.Tensor) -> None:
         self.calls += 1
@@ -231,13 +252,14 @@ class ReplicaAverage:
             if self.residuals is None or self.residuals.sizes != sizes:
                 self.residuals = self.new_residuals(flat.device)
             residuals = self.residuals
-        return block_fp8_exchange(flat, self.wire, kernels.block_layout(sizes, self.replicas), self.group,
-                                  self.replicas, 1.0 / self.replicas, residuals, None)
+        self.layout = cached_layout(sizes, self.replicas, self.layout)
+        return block_fp8_exchange(flat, self.wire, self.layout, self.group, self.replicas, 1.0 / self.replicas,
+                                  residuals, None)
 
     def new_residuals(self, device: torch.device) -> LayoutResiduals:
         """Zero residuals for this FSDP group's shard, on ``device``."""
-        sizes = tuple(self.comm.chunk_sizes())
-        layout = kernels.block_layout(sizes, self.replicas)
+        layout = self.layout = cached_layout(tuple(self.comm.chunk_sizes()), self.replicas, self.layout)
+        sizes = layout.sizes
         return LayoutResiduals((), sizes, layout, (0, sum(sizes)), dist.get_rank(self.group),
                                torch.zeros(layout.n_elements, dtype=torch.float32, device=device),
                                torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32,

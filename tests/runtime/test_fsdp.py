@@ -307,6 +307,12 @@ def _fp8_worker(rank, world_size, tmp):
             for i, q in enumerate(plain.parameters()):
                 q -= 0.05 * torch.cat([expected[k][i] for k in range(world_size)]).view_as(q)
         opt.step()
+        if step == 0:
+            first_layouts = [(c.layout, c.row_layout) for c in state.comms if c.calls]
+    # Each group's block layouts were built at its first reduce-scatter and reused since.
+    assert len(first_layouts) == 3 and all(a is not None for pair in first_layouts for a in pair)
+    assert all(c.layout is a and c.row_layout is b
+               for c, (a, b) in zip([c for c in state.comms if c.calls], first_layouts))
     # Resume: three more steps unbroken, against a save after these three and a load into a fresh model and state.
     saved, path = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 6))
     assert saved["wire_format"] == "fp8e4m3+ef" and len(saved["residuals"]) == 6
@@ -315,6 +321,17 @@ def _fp8_worker(rank, world_size, tmp):
     bad = dict(torch.load(path, weights_only=True), rank=world_size)
     with pytest.raises(ValueError, match="rank"):
         state.load_state_dict(bad)
+
+
+def test_a_group_s_block_layout_is_reused_while_its_chunks_and_ranks_stay():
+    from ddp_triton.runtime.fsdp import cached_layout
+
+    first = cached_layout((300, 40), 2, None)
+    assert cached_layout((300, 40), 2, first) is first
+    for sizes, n in (((300, 41), 2), ((300, 40), 3), ((40, 300), 2)):
+        other = cached_layout(sizes, n, first)
+        assert other is not first and other.sizes == sizes and other.n_shards == n
+        assert torch.equal(other.table, ddp_triton.kernels.block_layout(sizes, n).table)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -375,6 +392,11 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
                 whole = torch.cat([averaged[j][i] for j in range(2)])[: q.numel()]
                 q -= 0.05 * whole.view_as(q)
         opt.step()
+        if step == 0:
+            first_layouts = [h.layout for h in state.replica_hooks if h.calls]
+    assert len(first_layouts) == 3
+    assert all(h.layout is a and a is not None
+               for h, a in zip([h for h in state.replica_hooks if h.calls], first_layouts))
     saved, _ = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 5))
     assert saved["replica_wire_format"] == "fp8e4m3+ef" and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
 
