@@ -40,7 +40,8 @@ MiB = 1 << 20
 WORLD = 8
 _FMA = re.compile(r"\bfma\.rn\.f32\b")
 # The launches that must compile without contraction (their launchers pass enable_fp_fusion=False).
-NO_FUSION = {"quantize fp32->e4m3 +ef", "reduce e4m3 x8 +ef", "dequantize e4m3->bf16 +stats"}
+NO_FUSION = {"quantize fp32->e4m3 +ef", "reduce e4m3 x8 +ef", "dequantize e4m3->bf16 +stats",
+             "sum blocks e4m3 x8 -> fp32"}
 
 
 def launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
@@ -67,6 +68,11 @@ def launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
         ("dequantize e4m3->bf16 +stats", blockscale._dequantize_blocks_kernel,
          (rows, rows.view(torch.int32), layout.table, bf16.view(torch.int16), torch.empty(layout.n_blocks, 2)),
          dict(**rows_constexprs, OUT_KIND=0, STATS=True, HW_CONVERT=True, **fmt), blockscale._NUM_WARPS, no_fusion),
+        # FSDP's FP8 reduce-scatter keeps the float32 sum of the ranks' rows
+        ("sum blocks e4m3 x8 -> fp32", blockscale._sum_blocks_kernel,
+         (rows, rows.view(torch.int32), layout.table, bucket[: layout.rows_per_shard * BLOCK_ELEMENTS], WORLD,
+          shard.numel(), shard.numel() // 4),
+         dict(**rows_constexprs, **fmt), blockscale._NUM_WARPS, no_fusion),
         ("sum slices bf16 x8", slices._sum_slices_kernel,
          (bf16.view(torch.int16), bf16[: n // WORLD].view(torch.int16), WORLD, n // WORLD),
          dict(BLOCK=slices._BLOCK, SRC_BF16=True, OUT_KIND=0, HW_CONVERT=True), slices._NUM_WARPS, {}),

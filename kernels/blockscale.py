@@ -9,6 +9,10 @@ Three passes, one launch each, around an all-to-all and an all-gather (``ddp_tri
 3. ``dequantize_blocks``: rows -> bucket, rounded once to the bucket's dtype, optionally with the gradient
    statistics of ``unpack`` (sum of squares, non-finite count).
 
+And one pass for an exchange that ends with the float32 sum (FSDP's reduce-scatter: no second rounding, no
+all-gather): ``sum_blocks``, the N ranks' copies of this rank's rows -> their values summed in float32 in rank
+order, written where the layout puts each block.
+
 Rows are ``fp8.ROW_BYTES`` bytes: 128 codes and a float32 scale (``fp8.py``). Products and sums are compiled without
 FMA contraction (``enable_fp_fusion=False``): a fused multiply-add rounds once where torch rounds twice, and the
 residuals must be the same bits on every path.
@@ -102,8 +106,30 @@ if _triton.AVAILABLE:
         if STATS:
             _write_stats(partials, row, tl.where(mask, stored, 0.0))
 
+    @triton.jit
+    def _sum_blocks_kernel(received, received_words, table, dst, n_ranks, rank_bytes, rank_words,
+                           BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
+                           MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+        """Program i adds row i of every rank's slice of ``received`` in float32, in rank order from the first
+        rank's value, and stores the sum where the table puts row i."""
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.load(table + row * 2)
+        length = tl.load(table + row * 2 + 1).to(tl.int32)
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < length
+        code_ptrs = received + row * ROW_BYTES_ + lanes
+        scale_ptr = received_words + row * ROW_WORDS_ + (ROW_WORDS_ - 1)
+        block_scale = tl.load(scale_ptr).to(tl.float32, bitcast=True)
+        total = _decode(tl.load(code_ptrs).to(tl.int32), MANTISSA, BIAS) * block_scale
+        for _ in range(1, n_ranks):
+            code_ptrs += rank_bytes  # the same row in the next rank's slice
+            scale_ptr += rank_words
+            block_scale = tl.load(scale_ptr).to(tl.float32, bitcast=True)
+            total = total + _decode(tl.load(code_ptrs).to(tl.int32), MANTISSA, BIAS) * block_scale
+        tl.store(dst + start + lanes, total, mask=mask)
+
 else:  # pragma: no cover - exercised only where Triton is missing
-    _quantize_blocks_kernel = _reduce_blocks_kernel = _dequantize_blocks_kernel = None
+    _quantize_blocks_kernel = _reduce_blocks_kernel = _dequantize_blocks_kernel = _sum_blocks_kernel = None
 
 
 _NO_FUSION = (("enable_fp_fusion", False),)
@@ -194,6 +220,22 @@ def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True) -> Kerne
     return KernelCall(launch=(grid, _dequantize_blocks_kernel, args, constexprs), after=after)
 
 
+def _sum_blocks_call(received, n_ranks, layout, out, fmt) -> KernelCall:
+    spec = _format(fmt)
+    _check_layout(layout)
+    check_count(n_ranks, "n_ranks")
+    check_vector(out, "out", numel=layout.n_elements, dtypes=(torch.float32,))
+    _check_rows(received, n_ranks * layout.n_rows, "received", out.device)
+    if not uses_triton(out.device):
+        return KernelCall(torch_path=torch_wire.bind_sum_blocks(received, n_ranks, layout, out, spec))
+    args = (received, received.view(torch.int32), layout.table_on(out.device), out, n_ranks,
+            layout.n_rows * ROW_BYTES, layout.n_rows * ROW_WORDS)
+    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, MANTISSA=spec.mantissa_bits,
+                      BIAS=spec.bias)
+    grid = Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION)
+    return KernelCall(launch=(grid, _sum_blocks_kernel, args, constexprs))
+
+
 # ---- public API ---------------------------------------------------------------------------------------------------
 
 
@@ -219,6 +261,14 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
     """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
     (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
     run_call(_dequantize_call(rows, layout, dst, fmt, stats))
+
+
+def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
+               fmt: torch.dtype = torch.float8_e4m3fn) -> None:
+    """``out`` (float32, ``layout.n_elements``) <- the values of the ``n_ranks`` row slices of ``received`` (each
+    ``layout.n_rows`` rows, one per rank), summed in float32 in rank order from the first rank's, each block written
+    where ``layout`` puts it: a reduce-scatter's sum kept in float32, in one pass over the received rows."""
+    run_call(_sum_blocks_call(received, n_ranks, layout, out, fmt))
 
 
 def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,

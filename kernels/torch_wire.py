@@ -485,6 +485,28 @@ def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout:
     return _keeping(through_scratch, rows, dst, values, table)
 
 
+def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor,
+                    fmt: Fp8Format) -> Callable[[], None]:
+    """out (float32) <- the values of the ``n_ranks`` row slices of ``received`` summed in float32 in rank order
+    from the first rank's: the first slice dequantized into ``out``, each further one into a float32 scratch
+    buffer and added (the kernel's roundings: each value times its scale, then the adds)."""
+    step = layout.n_rows * ROW_BYTES
+    slices = [received[r * step:(r + 1) * step] for r in range(n_ranks)]
+    first = bind_dequantize_blocks(slices[0], layout, out, fmt, None, canonical_nan=False)
+    if n_ranks == 1:
+        return first
+    part = torch.empty_like(out)
+    others = [bind_dequantize_blocks(rows, layout, part, fmt, None, canonical_nan=False) for rows in slices[1:]]
+
+    def run() -> None:
+        first()
+        for dequantize in others:
+            dequantize()
+            out.add_(part)
+
+    return run
+
+
 # ---- plain calls: the bound form, made and run once -------------------------------------------------------------
 
 
@@ -509,3 +531,8 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
 def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> None:
     """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order, rounded once."""
     bind_sum_slices(received, n_ranks, out)()
+
+
+def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, fmt: Fp8Format) -> None:
+    """out (float32) <- the ranks' row slices' values summed in float32 in rank order."""
+    bind_sum_blocks(received, n_ranks, layout, out, fmt)()

@@ -161,13 +161,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         dist.all_to_all_single(received, send, group=group)
         total = output if output.dtype == torch.float32 else torch.empty(output.numel(), dtype=torch.float32,
                                                                          device=device)
-        part = torch.empty_like(total) if n > 1 else total
-        step = layout.rows_per_shard * ROW_BYTES
-        for r in range(n):  # rank order, in float32
-            kernels.dequantize_blocks(received[r * step:(r + 1) * step], row_layout, total if r == 0 else part,
-                                      fmt=fmt)
-            if r:
-                total.add_(part)
+        kernels.sum_blocks(received, n, row_layout, total, fmt=fmt)  # rank order, in float32, one pass
         if total is not output:
             output.copy_(total)
 

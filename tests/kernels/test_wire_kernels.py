@@ -223,6 +223,50 @@ def test_reduce_same_bits_as_torch_path_and_sums_in_rank_order(fmt, n_ranks, res
     assert torch.equal(got_codes, want_codes) and torch.equal(got_scales, want_scales)
 
 
+# ---- sum of the ranks' rows, kept in float32 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_ranks", [1, 3, 4])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_sum_blocks_adds_the_ranks_values_in_float32_in_rank_order(fmt, n_ranks, sizes):
+    layout = block_layout(sizes, 1)
+    received = torch.empty(n_ranks * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    for rank in range(n_ranks):
+        blockscale.quantize_blocks(gradient_like(sizes, torch.float32, seed=rank), layout,
+                                   received[rank * layout.n_rows * fp8.ROW_BYTES:][:layout.n_rows * fp8.ROW_BYTES],
+                                   fmt=fmt)
+    if layout.n_elements:  # a -0.0 from every rank stays -0.0: the sum starts from the first rank's value
+        received.view(n_ranks, layout.n_rows, fp8.ROW_BYTES)[:, 0, 0] = 0x80
+    out, out_ref = torch.full((layout.n_elements,), float("nan")), torch.empty(layout.n_elements)
+    blockscale.sum_blocks(received, n_ranks, layout, out, fmt=fmt)
+    torch_wire.sum_blocks(received, n_ranks, layout, out_ref, fp8.FORMATS[fmt])
+    assert_same_bits(out, out_ref)
+    # Independently: each rank's codes times its block's scale, added in float32 in rank order, in the tensors' places.
+    codes, scales = split(received)
+    total = None
+    for rank in range(n_ranks):
+        part = slice(rank * layout.n_rows, (rank + 1) * layout.n_rows)
+        values = codes[part].view(fmt).float() * scales[part, None]
+        total = values if total is None else total + values
+    want = torch.cat([total[row, :length] for row, (_, length) in enumerate(layout.table.tolist()) if length]) \
+        if layout.n_elements else torch.empty(0)
+    assert_same_bits(out, want)
+    if layout.n_elements:
+        assert out.view(torch.int32)[0].item() == -2**31  # -0.0
+
+
+def test_sum_blocks_refuses_a_buffer_of_the_wrong_size_by_name():
+    layout = block_layout([300], 1)
+    received = torch.zeros(2 * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="received"):
+        blockscale.sum_blocks(received, 3, layout, torch.empty(300))
+    with pytest.raises(ValueError, match="out"):
+        blockscale.sum_blocks(received, 2, layout, torch.empty(299))
+    with pytest.raises((TypeError, ValueError), match="out"):
+        blockscale.sum_blocks(received, 2, layout, torch.empty(300, dtype=torch.bfloat16))
+
+
 # ---- dequantize ---------------------------------------------------------------------------------------------------
 
 

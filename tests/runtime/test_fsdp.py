@@ -339,6 +339,27 @@ def test_fp8_with_error_feedback_matches_the_reference_and_resumes(world_size, t
     torch_path_workers(_fp8_worker, world_size, str(tmp_path))
 
 
+def _fp8_interpreter_worker(rank, world_size, tmp):
+    from ddp_triton.kernels import uses_triton
+
+    assert uses_triton(torch.device("cpu")), "this worker should run the Triton kernels in the interpreter"
+    _fp8_worker(rank, world_size, tmp)
+
+
+def test_fp8_through_the_triton_kernels_matches_the_reference_and_resumes(tmp_path):
+    """The same bits with the passes in the Triton kernels (the interpreter here; a GPU's path) as on the torch
+    path: quantize with the residual, then the ranks' rows summed in float32 in one pass (``sum_blocks``)."""
+    from dist_utils import run_workers
+    from interpreter import interpreter_problem
+
+    from ddp_triton.runtime.algo_groups import scoped_env
+
+    if interpreter_problem() is not None:
+        pytest.skip(interpreter_problem())
+    with scoped_env({"TRITON_INTERPRET": "1"}):
+        run_workers(_fp8_interpreter_worker, 2, str(tmp_path), timeout=240)
+
+
 def _hsdp_fp8_worker(rank, world_size, tmp):
     """2 replicas x 2 shards, FP8 with error feedback between the replicas: each shard's chunks averaged over the
     replicas as DDP's flat FP8 exchange averages a bucket (both roundings fed back), over three steps; then a resume
