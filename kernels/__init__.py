@@ -18,4 +18,5 @@ from .slices import bind_sum_slices, sum_slices
 
 __all__ = ["pack", "unpack", "bind_pack", "bind_unpack", "uses_triton", "SUPPORTED_DTYPES", "INTERPRETER",
            "triton_version", "BlockLayout", "block_layout", "quantize_blocks", "reduce_blocks", "dequantize_blocks",
-           "sum_blocks", "sum_slices", "bind_quantize_blocks", "bind_reduce_blocks", "bind_dequantize_blocks", "bind_sum_slices"]
+           "sum_blocks", "sum_slices", "bind_quantize_blocks", "bind_reduce_blocks", "bind_dequantize_blocks",
+           "bind_sum_slices"]

@@ -266,8 +266,10 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
 def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
                fmt: torch.dtype = torch.float8_e4m3fn) -> None:
     """``out`` (float32, ``layout.n_elements``) <- the values of the ``n_ranks`` row slices of ``received`` (each
-    ``layout.n_rows`` rows, one per rank), summed in float32 in rank order from the first rank's, each block written
-    where ``layout`` puts it: a reduce-scatter's sum kept in float32, in one pass over the received rows."""
+    ``layout.n_rows`` rows, one per rank, 4-byte aligned; not overlapping ``out``), summed in float32 in rank order
+    from the first rank's, each block written where ``layout`` puts it: a reduce-scatter's sum kept in float32, in
+    one pass over the received rows. A NaN is a NaN: its sign and payload bits are the arithmetic's, as an
+    all-reduce's are."""
     run_call(_sum_blocks_call(received, n_ranks, layout, out, fmt))
 
 
