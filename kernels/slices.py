@@ -1,8 +1,9 @@
 """Sum the ranks' slices of a shard in float32 and round once: the reduction step of a 16-bit wire with float32 sums.
 
 After an all-to-all, each rank holds N equal slices of its shard, one from every rank, in the wire dtype. NCCL's
-ring would add them in that dtype, one rounding per hop; this adds them in float32, in rank order, and rounds once
-to the wire dtype, so each element is rounded twice (pack, here) whatever N is.
+ring would add them in that dtype, one rounding per hop; this adds them in float32, in rank order from the first
+slice's value (so a -0.0 from every rank stays -0.0, as any sum of them does), and rounds once to the wire dtype,
+so each element is rounded twice (pack, here) whatever N is.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
@@ -32,10 +33,10 @@ if _triton.AVAILABLE:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < size
         slice_start = received + offsets
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for _ in range(0, n_ranks):
-            total = total + _load_fp32(slice_start, mask, SRC_BF16, True)
+        total = _load_fp32(slice_start, mask, SRC_BF16, True)
+        for _ in range(1, n_ranks):
             slice_start += size  # a pointer step per slice: no rank * size product to overflow 32 bits
+            total = total + _load_fp32(slice_start, mask, SRC_BF16, True)
         bits, _ = _convert(total, 1.0, False, OUT_KIND, HW_CONVERT)
         tl.store(out + offsets, bits, mask=mask)
 

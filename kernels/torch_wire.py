@@ -292,8 +292,8 @@ def _finish_stats(stats: Optional[torch.Tensor], dst: torch.Tensor) -> None:
 
 def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
                     canonical_nan: bool = True) -> Callable[[], None]:
-    """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order, rounded once.
-    Bound: a call allocates nothing."""
+    """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order from the first
+    slice's value, rounded once. Bound: a call allocates nothing."""
     size = out.numel()
     total = torch.empty(min(size, CHUNK_ROWS * BLOCK_ELEMENTS), dtype=torch.float32, device=out.device)
     steps = []
@@ -305,9 +305,9 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
 
     def run() -> None:
         for part_total, parts, store in steps:
-            part_total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
-            for part in parts:
-                part_total.add_(part)  # a 16-bit part is widened exactly, then added in float32
+            part_total.copy_(parts[0])  # from the first slice's value, widened exactly, as the kernel
+            for part in parts[1:]:
+                part_total.add_(part)  # added in float32
             store()
 
     return run

@@ -71,13 +71,13 @@ def _left_over(value: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
 def float32_sum_average(per_rank: Sequence[Sequence[torch.Tensor]], wire: torch.dtype,
                         scale: float = None) -> List[torch.Tensor]:
     """The average with 16 bits on the wire and float32 sums: round g / N (or g * ``scale``) to the wire dtype, sum
-    in float32 in rank order, round the sum once to the wire dtype."""
+    in float32 in rank order from the first rank's value, round the sum once to the wire dtype."""
     n = len(per_rank)
     scale = 1.0 / n if scale is None else scale
     out = []
     for i in range(len(per_rank[0])):
-        total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
-        for r in range(n):
+        total = (per_rank[0][i].float() * scale).to(wire).float()
+        for r in range(1, n):
             total = total + (per_rank[r][i].float() * scale).to(wire).float()
         out.append(total.to(wire).float())
     return out

@@ -214,12 +214,12 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
             buffer, tuple(map(id, params)), sizes, wire, nodes, group, pre_scale, post_scale, stats, residuals)
         record = BucketRecord(index, wire.name, pass_bytes, len(exchange.stages))
         entry: BucketComm = ShardedComm(buffer, exchange, queue, stats, record, held)
-    elif wire.sharded:
+    elif wire.sharded and not wire.one_all_reduce(world_size):
         entry = _bind_sharded(buffer, tuple(map(id, params)), sizes, index, wire, group, world_size, pre_scale,
                               post_scale, stats, residuals, queue)
     else:
         entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for,
-                                 queue if queue_all_reduce else None)
+                                 queue if queue_all_reduce else None, wire.name if wire.sharded else None)
     if mixed and not wire.error_feedback and sum(sizes) == buffer.numel():
         owed = residuals.take_for_fold(tuple(map(id, params)), sizes, group, buffer.device)
         if owed is not None:
@@ -231,12 +231,14 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
 
 def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: torch.dtype, backend: str,
                      pre_scale: float, post_scale: float, stats: Optional[torch.Tensor],
-                     group_for: Callable[[int], Tuple[Any, Any]], queue: Optional[ExchangeQueue] = None
-                     ) -> BucketComm:
+                     group_for: Callable[[int], Tuple[Any, Any]], queue: Optional[ExchangeQueue] = None,
+                     sharded_name: Optional[str] = None) -> BucketComm:
     """A bucket sent by one all-reduce in ``comm_dtype``, or averaged by the collective itself where it can; through
-    ``queue`` as a one-stage exchange where one is given."""
+    ``queue`` as a one-stage exchange where one is given. ``sharded_name``: the 16-bit format with float32 sums
+    this all-reduce is at two ranks (``WireFormat.one_all_reduce``): named so in the telemetry, and never averaged
+    by the collective (NCCL's AVG multiplies in the wire dtype, a rounding the format does not have)."""
     target, algorithm = group_for(buffer.numel() * comm_dtype.itemsize)
-    if collective_averages(backend, buffer.is_cuda, comm_dtype, buffer.dtype, algorithm):
+    if sharded_name is None and collective_averages(backend, buffer.is_cuda, comm_dtype, buffer.dtype, algorithm):
         # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
         # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
         unpack = _nothing if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
@@ -253,7 +255,8 @@ def _bind_all_reduce(buffer: torch.Tensor, index: Optional[int], comm_dtype: tor
     pack = kernels.bind_pack([buffer], wire_buffer, pre_scale, canonical_nan=False)
     # In place at scale 1 the unpack does nothing without stats, and is the stats pass with them.
     unpack = kernels.bind_unpack(wire_buffer, [buffer], post_scale, stats=stats, canonical_nan=False)
-    record = BucketRecord(index, wire_name(comm_dtype), {wire_name(comm_dtype): _bytes(wire_buffer)}, 1)
+    name = sharded_name or wire_name(comm_dtype)
+    record = BucketRecord(index, name, {name: _bytes(wire_buffer)}, 1)
     if queue is not None:
         return _queued_all_reduce(buffer, wire_buffer, target, algorithm, stats, record, pack, unpack,
                                   dist.ReduceOp.SUM, queue)

@@ -30,8 +30,9 @@ HSDP with a compressed replica hop (``replicate_group``): shard the model on the
 (``fully_shard(module, mesh=mesh["shard"])``, each replica an FSDP group of its own, the ranks of a node, say) and
 pass the replicate dimension's group: the reduce-scattered shard of each FSDP group is then averaged over the
 replicas by FSDP's all-reduce hook (``set_all_reduce_hook``) in ``replicate_comm_dtype`` (default bf16 with float32
-sums: all-to-all, float32 sum, bf16 all-gather, as DDP's bucket), while the shard hop keeps ``comm_dtype`` (float32
-there is FSDP2's own reduce-scatter). Native HSDP (a 2-D mesh given to ``fully_shard``) all-reduces the replicas
+sums: all-to-all, float32 sum, bf16 all-gather, as DDP's bucket; over two replicas one bf16 all-reduce, the same
+bits: ``WireFormat.one_all_reduce``), while the shard hop keeps ``comm_dtype`` (float32 there is FSDP2's own
+reduce-scatter). Native HSDP (a 2-D mesh given to ``fully_shard``) all-reduces the replicas
 itself, in float32: ``register`` refuses a ``replicate_group`` with it.
 
 The replica hop takes FP8 too (``replicate_comm_dtype``, error feedback on by default): DDP's flat FP8 exchange of
@@ -228,7 +229,7 @@ class ReplicaAverage:
         if wire.block_scaled:
             _run(self._fp8_exchange(flat))
             return
-        if wire.sharded:  # DDP's bucket exchange, run to its end here
+        if wire.sharded and not wire.one_all_reduce(r):  # DDP's bucket exchange, run to its end here
             _run(float32_sum_exchange(flat, wire, self.group, r, pre, post, None))
             return
         sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)

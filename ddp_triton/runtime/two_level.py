@@ -89,7 +89,7 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
             shard.copy_(mine)
 
     residuals = None
-    if not wire.sharded:
+    if not wire.sharded or wire.one_all_reduce(nodes.n_nodes):
         cross_stages, cross_finish, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale)
     else:
         if wire.block_scaled:
@@ -126,8 +126,9 @@ def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[]
 
 def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, post_scale: float
                       ) -> Tuple[List[Stage], Callable[[], None], Tuple[torch.Tensor, ...], int]:
-    """The cross exchange as one all-reduce of the part in the comm dtype (summed in it, as NCCL adds): its stage,
-    the computation after it, the buffers it holds and the bytes it hands the all-reduce."""
+    """The cross exchange as one all-reduce of the part in the comm dtype (summed in it, as NCCL adds; over two
+    nodes also the 16-bit formats with float32 sums, ``WireFormat.one_all_reduce``): its stage, the computation
+    after it, the buffers it holds and the bytes it hands the all-reduce."""
     in_place = wire.comm_dtype == shard.dtype
     on_wire = shard if in_place else torch.empty(shard.numel(), dtype=wire.comm_dtype, device=shard.device)
     cross_pack = _nothing if in_place else kernels.bind_pack([shard], on_wire, 1.0, canonical_nan=False)

@@ -3,7 +3,8 @@
 - ``bf16``/``fp16``/``fp32``: one all-reduce in that dtype (NCCL sums in it, one rounding per ring hop).
 - ``bf16+fp32sum``/``fp16+fp32sum``: the bucket travels in 16 bits, but is summed in float32: an all-to-all gives
   each rank the N copies of its shard, a kernel adds them in float32 and rounds once, an all-gather returns the
-  shards. Same bytes as a ring all-reduce; each element is rounded twice whatever N is.
+  shards. Same bytes as a ring all-reduce; each element is rounded twice whatever N is. Over two ranks it is one
+  all-reduce in 16 bits, the same bits (``WireFormat.one_all_reduce``).
 - ``fp8e4m3``/``fp8e5m2`` (``+ef`` with error feedback): block-scaled FP8 through the same all-to-all and
   all-gather, summed in float32; with error feedback each rank keeps what its rounding left out and adds it to the
   next step's gradients, at both rounding stages.
@@ -48,6 +49,15 @@ class WireFormat:
     @property
     def block_scaled(self) -> bool:
         return self.comm_dtype in FP8_DTYPES
+
+    def one_all_reduce(self, n_ranks: int) -> bool:
+        """Whether exchanging in this format over ``n_ranks`` is, bit for bit, one all-reduce in its 16-bit dtype:
+        16 bits with float32 sums over two ranks. The float32 sum of two 16-bit values, rounded once to 16 bits, is
+        their correctly rounded 16-bit sum, which is what NCCL's and gloo's sum of two 16-bit values is: the sum is
+        exact in float32 unless one value lies below the other's last 16-bit place by more than float32's extra
+        bits, and then both round to the larger. So the all-to-all and the all-gather can be one all-reduce of the
+        same bytes: one collective fewer."""
+        return n_ranks == 2 and self.sharded and not self.block_scaled
 
     @property
     def name(self) -> str:

@@ -9,7 +9,7 @@ scale per tensor block, float32 sums in rank order.
 import pytest
 import torch
 
-from bits import assert_same_bits
+from bits import assert_same_bits, bits
 from interpreter import interpreter_problem
 from ddp_triton.kernels import blockscale, fp8, slices, torch_wire, uses_triton
 from ddp_triton.kernels.blocks import block_layout
@@ -228,14 +228,19 @@ def test_reduce_same_bits_as_torch_path_and_sums_in_rank_order(fmt, n_ranks, res
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_ranks", [1, 3, 4])
-@pytest.mark.parametrize("sizes", SIZES)
-def test_sum_blocks_adds_the_ranks_values_in_float32_in_rank_order(fmt, n_ranks, sizes):
-    layout = block_layout(sizes, 1)
-    received = torch.empty(n_ranks * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+@pytest.mark.parametrize("sizes, n_shards", [
+    pytest.param([1], 1, id="one-element"), pytest.param([128], 1, id="one-full-block"),
+    pytest.param([129, 7, 0, 300], 1, id="ragged"), pytest.param([3] * 40, 1, id="many-tiny"),
+    pytest.param([300, 5], 4, id="padding-rows"), pytest.param([], 1, id="empty"),
+    pytest.param([0], 2, id="empty-tensor-two-shards")])
+def test_sum_blocks_adds_the_ranks_values_in_float32_in_rank_order(fmt, n_ranks, sizes, n_shards):
+    """Padding rows (a layout cut for shards) and empty layouts included; each rank's slice is ``n_rows`` rows."""
+    layout = block_layout(sizes, n_shards)
+    step = layout.n_rows * fp8.ROW_BYTES
+    received = torch.empty(n_ranks * step, dtype=torch.uint8)
     for rank in range(n_ranks):
         blockscale.quantize_blocks(gradient_like(sizes, torch.float32, seed=rank), layout,
-                                   received[rank * layout.n_rows * fp8.ROW_BYTES:][:layout.n_rows * fp8.ROW_BYTES],
-                                   fmt=fmt)
+                                   received[rank * step:(rank + 1) * step], fmt=fmt)
     if layout.n_elements:  # a -0.0 from every rank stays -0.0: the sum starts from the first rank's value
         received.view(n_ranks, layout.n_rows, fp8.ROW_BYTES)[:, 0, 0] = 0x80
     out, out_ref = torch.full((layout.n_elements,), float("nan")), torch.empty(layout.n_elements)
@@ -254,6 +259,45 @@ def test_sum_blocks_adds_the_ranks_values_in_float32_in_rank_order(fmt, n_ranks,
     assert_same_bits(out, want)
     if layout.n_elements:
         assert out.view(torch.int32)[0].item() == -2**31  # -0.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sum_blocks_adds_in_rank_order_not_any_order(fmt):
+    """1 + 2^-24 + 2^-24 in rank order is 1 (each add a tie, to even); added last to first it would be 1 + 2^-23."""
+    layout = block_layout([128], 1)
+    step = layout.n_rows * fp8.ROW_BYTES
+    received = torch.empty(3 * step, dtype=torch.uint8)
+    for rank, value in enumerate((1.0, 2.0 ** -24, 2.0 ** -24)):
+        block = torch.zeros(128)
+        block[0] = value
+        blockscale.quantize_blocks(block, layout, received[rank * step:(rank + 1) * step], fmt=fmt)
+    for run in (blockscale.sum_blocks, lambda *a, fmt: torch_wire.sum_blocks(*a, fp8.FORMATS[fmt])):
+        out = torch.empty(128)
+        run(received, 3, layout, out, fmt=fmt)
+        assert out[0].item() == 1.0 and torch.equal(out[1:], torch.zeros(127))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sum_blocks_keeps_nan_and_inf_where_the_sum_has_them(fmt):
+    """A NaN is a NaN (its bits are the arithmetic's, as an all-reduce's); infinities add as floats do."""
+    layout = block_layout([256], 1)
+    step = layout.n_rows * fp8.ROW_BYTES
+    received = torch.empty(2 * step, dtype=torch.uint8)
+    for rank in range(2):
+        blockscale.quantize_blocks(gradient_like([256], torch.float32, seed=rank), layout,
+                                   received[rank * step:(rank + 1) * step], fmt=fmt)
+    nan_code = int(torch.tensor([float("nan")]).to(fmt).view(torch.uint8))
+    received.view(2, layout.n_rows, fp8.ROW_BYTES)[1, 0, 5] = nan_code  # one NaN from rank 1
+    want_nan = torch.zeros(256, dtype=torch.bool)
+    want_nan[5] = True
+    if fmt == torch.float8_e5m2:  # e5m2 has infinities: +inf from one rank and -inf from the other make a NaN
+        received.view(2, layout.n_rows, fp8.ROW_BYTES)[0, 1, 9] = 0x7C
+        received.view(2, layout.n_rows, fp8.ROW_BYTES)[1, 1, 9] = 0xFC
+        want_nan[128 + 9] = True
+    for run in (blockscale.sum_blocks, lambda *a, fmt: torch_wire.sum_blocks(*a, fp8.FORMATS[fmt])):
+        out = torch.empty(256)
+        run(received, 2, layout, out, fmt=fmt)
+        assert torch.equal(torch.isnan(out), want_nan)
 
 
 def test_sum_blocks_refuses_a_buffer_of_the_wrong_size_by_name():
@@ -297,14 +341,16 @@ def test_sum_slices_adds_in_float32_in_rank_order(dtype, n_ranks, size):
     received = (torch.randn(n_ranks * size, generator=gen) * 100).to(dtype)
     if size > 10:
         received[7] = float("nan")
+    received.view(n_ranks, size)[:, 0] = -0.0  # every rank's -0.0 sums to -0.0, as an all-reduce of them does
     out, out_ref = torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
     slices.sum_slices(received, n_ranks, out)
     torch_wire.sum_slices(received, n_ranks, out_ref)
     assert_same_bits(out, out_ref)
-    total = torch.zeros(size)
-    for rank in range(n_ranks):
+    total = received[:size].float()
+    for rank in range(1, n_ranks):
         total = total + received[rank * size: (rank + 1) * size].float()
     assert_same_bits(out, total.to(dtype))
+    assert bits(out)[0].item() == bits(torch.tensor([-0.0], dtype=dtype)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -315,8 +361,8 @@ def test_sum_slices_into_float32_keeps_the_sum_unrounded(dtype):
     out, out_ref = torch.empty(size), torch.empty(size)
     slices.sum_slices(received, n_ranks, out)
     torch_wire.sum_slices(received, n_ranks, out_ref)
-    total = torch.zeros(size)
-    for rank in range(n_ranks):
+    total = received[:size].float()
+    for rank in range(1, n_ranks):
         total = total + received[rank * size: (rank + 1) * size].float()
     assert_same_bits(out, total)
     assert_same_bits(out_ref, total)

@@ -65,11 +65,12 @@ def expected_shard(grads, rank, world_size, divide_by=None):
     included."""
     divide_by = world_size if divide_by is None else divide_by
     rows = -(-grads[0].shape[0] // world_size)
-    total = torch.zeros((rows * world_size, *grads[0].shape[1:]))
+    total = None
     for g in grads:
-        padded = torch.zeros_like(total)
+        padded = torch.zeros((rows * world_size, *grads[0].shape[1:]))
         padded[: g.shape[0]] = g
-        total = total + (padded * (1.0 / divide_by)).to(torch.bfloat16).float()
+        value = (padded * (1.0 / divide_by)).to(torch.bfloat16).float()
+        total = value if total is None else total + value  # in rank order from the first rank's value
     mine = total[rank * rows:(rank + 1) * rows]
     return mine[: max(0, min(rows, grads[0].shape[0] - rank * rows))]
 
@@ -204,11 +205,18 @@ def _hsdp_worker(rank, world_size):
     assert state.replica_wire.name == "bf16+fp32sum"
     x, y = data(0)
     per_rank = local_grads(plain, x, y, world_size)
-    backward(model, x, y, rank, world_size)
+    real_all_to_all, all_to_alls = dist.all_to_all_single, []
+    dist.all_to_all_single = lambda *a, **k: all_to_alls.append(1) or real_all_to_all(*a, **k)
+    try:
+        backward(model, x, y, rank, world_size)
+    finally:
+        dist.all_to_all_single = real_all_to_all
+    assert not all_to_alls  # two replicas: the float32 sum of two is one bf16 all-reduce, the same bits
     replica, shard_index = divmod(rank, 2)
     for i, p in enumerate(model.parameters()):
         in_replica = [(per_rank[2 * k][i] + per_rank[2 * k + 1][i]) / 2 for k in range(2)]  # the shard hop, float32
-        total = sum((s * 0.5).to(torch.bfloat16).float() for s in in_replica).to(torch.bfloat16).float()
+        sent = [(s * 0.5).to(torch.bfloat16).float() for s in in_replica]
+        total = (sent[0] + sent[1]).to(torch.bfloat16).float()
         rows = -(-total.shape[0] // 2)
         want = total[shard_index * rows:(shard_index + 1) * rows]
         assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
@@ -357,7 +365,7 @@ def test_fp8_through_the_triton_kernels_matches_the_reference_and_resumes(tmp_pa
     if interpreter_problem() is not None:
         pytest.skip(interpreter_problem())
     with scoped_env({"TRITON_INTERPRET": "1"}):
-        run_workers(_fp8_interpreter_worker, 2, str(tmp_path), timeout=240)
+        run_workers(_fp8_interpreter_worker, 3, str(tmp_path), timeout=240)  # 3 ranks: two adds per element
 
 
 def _hsdp_fp8_worker(rank, world_size, tmp):

@@ -128,6 +128,10 @@ def _every_format_worker(rank, world_size):
             elements = summary.fp32_bytes_per_step / 4
             assert cross >= elements / LOCAL * per_element, str(summary)
             assert cross <= (elements / LOCAL + 128 * 2 * len(summary.buckets)) * per_element + 264 * 2, str(summary)
+            # Every bucket: the node's sum, the exchange between the nodes, the node's all-gather. Between two nodes
+            # 16 bits with float32 sums is one all-reduce (the same bits), FP8 an all-to-all and an all-gather.
+            fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
+            assert {len(e.exchange.stages) for e in state.buckets.values()} == {4 if fp8 else 3}, str(summary)
 
 
 def test_two_level_same_bits_as_the_reference():

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
+from bits import assert_same_bits, bits
 from ddp_helpers import torch_path_workers
 from dist_utils import run_workers
 from wire_reference import float32_sum_average, fp8_average
@@ -296,6 +297,52 @@ def test_wire_format_names_and_bad_combinations():
         ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn, accumulate_dtype=torch.bfloat16)
 
 
+class Given(nn.Module):
+    """One parameter whose gradient is ``grad`` on every backward: a rank's gradients chosen value by value."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+        self.grad_values = torch.zeros(n)
+
+    def forward(self):
+        return (self.weight * self.grad_values).sum()
+
+
+def _two_ranks_worker(rank, world_size):
+    """Over two ranks the 16-bit formats with float32 sums travel as one all-reduce, with the definition's bits:
+    ties to even, a -0.0 from both ranks, values far apart, subnormal ones, and random ones."""
+    from ddp_triton.runtime.bucket import split_average
+
+    for wire, tie in ((torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)):
+        gen = torch.Generator().manual_seed(7)
+        randoms = [torch.randn(4000, generator=gen) * 10.0 ** torch.randint(-6, 4, (4000,), generator=gen)
+                   for _ in range(2)]
+        special = [torch.tensor([2.0, -0.0, 2.0, 1.0, 3e-5, 6e-8, 1e4, -2.0]),
+                   torch.tensor([tie, -0.0, 3 * tie, 1e-4, -1e-5, 6e-8, -1.0, tie])]
+        per_rank = [torch.cat([special[r], randoms[r]]) for r in range(2)]
+        model = Given(per_rank[0].numel())
+        model.grad_values = per_rank[rank]
+        ddp = DDP(model)
+        state = ddp_triton.register(ddp, comm_dtype=wire, accumulate_dtype=torch.float32)
+        for _ in range(2):  # DDP's first bucket order, then the rebuilt one
+            model.weight.grad = None
+            ddp().backward()
+        pre, post = split_average(2, wire)
+        sent = [(g * pre).to(wire).float() for g in per_rank]
+        want = (sent[0] + sent[1]).to(wire).float() * post
+        assert_same_bits(model.weight.grad, want)
+        assert bits(model.weight.grad)[1].item() == bits(torch.tensor([-0.0])).item()
+        summary = state.summary()
+        assert [b.wire_format for b in summary.buckets] == [state.wire.name], str(summary)
+        assert {e.record.collectives_per_pass for e in state.buckets.values()} == {1}  # no all-to-all, no all-gather
+        assert summary.wire_bytes_per_step == per_rank[0].numel() * 2  # the all-reduce of the 16-bit bucket
+
+
+def test_at_two_ranks_float32_sums_are_one_all_reduce_with_the_same_bits():
+    torch_path_workers(_two_ranks_worker, 2)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 64])
 def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
     """The bytes a bucket's exchange hands to the all-to-all and the all-gather, from the buffers the runtime really
@@ -314,6 +361,9 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
     }
     for name, exchange in exchanges.items():
         model = dict(cm.wire_collectives(n, name, world_size))
+        if bf16.one_all_reduce(world_size) and name == bf16.name:  # the runtime sends it as one all-reduce
+            assert model == {"all_reduce": n * 2}
+            continue
         nbytes = exchange.send.numel() * exchange.send.element_size()
         assert model["all_to_all"] == nbytes == world_size * exchange.shard.numel() * exchange.shard.element_size()
         assert model["all_gather"] == nbytes

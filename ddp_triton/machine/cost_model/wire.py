@@ -7,7 +7,8 @@ A bucket of ``n`` float32 gradients at world size N can travel as
 * ``bf16+fp32sum``: the bucket, padded to a multiple of N elements, cast to bfloat16 and exchanged with an
   all-to-all (each rank sends N-1 of its N shards, (N-1)/N of the 2n bytes), each rank sums its shard's N copies in
   float32, then an all-gather of the bfloat16 shards (the same bytes again). As many bytes per rank as a ring
-  all-reduce, but two collectives and no bfloat16 rounding in the sum;
+  all-reduce, but two collectives and no bfloat16 rounding in the sum. At N = 2 the runtime sends it as one bf16
+  all-reduce, the same bits (a sum of two values rounds once either way), and so is it priced;
 * ``fp8``: the same exchange in block-scaled FP8: blocks of ``FP8_BLOCK`` = 128 elements, each sent as 128 one-byte
   values and a float32 scale (``FP8_BLOCK_BYTES`` = 132 bytes, 1.03125 bytes per element), the block count padded
   to a multiple of N.
@@ -49,7 +50,14 @@ FP8_BLOCK_BYTES = FP8_BLOCK + 4
 #: The runtime's names of the same traffic (ddp_triton/runtime/wire.py).
 WIRE_FORMAT_ALIASES = {"fp16+fp32sum": "bf16+fp32sum", "fp8e4m3": "fp8", "fp8e5m2": "fp8"}
 _ALL_REDUCE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-_ALL_REDUCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_ALL_REDUCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16+fp32sum": "bfloat16"}
+
+
+def _one_all_reduce(wire_format: str, world_size: int) -> bool:
+    """Whether ``wire_format`` (a ``WIRE_FORMATS`` name) travels as one all-reduce at ``world_size``: the 32- and
+    16-bit all-reduce formats always; 16 bits with float32 sums over two ranks (``runtime.wire``'s
+    ``WireFormat.one_all_reduce``: the same bits)."""
+    return wire_format in _ALL_REDUCE_ITEMSIZE or (wire_format == "bf16+fp32sum" and world_size == 2)
 
 
 def canonical_wire_format(wire_format: str) -> str:
@@ -75,8 +83,8 @@ def wire_collectives(n_elements: int, wire_format: str, world_size: int) -> List
     """The collectives that carry a bucket of ``n_elements`` float32 gradients, each as (``all_reduce`` |
     ``all_to_all`` | ``all_gather``, bytes of its whole buffer, as nccl-tests counts a message)."""
     wire_format = _check(n_elements, wire_format, world_size)
-    if wire_format in _ALL_REDUCE_ITEMSIZE:
-        return [("all_reduce", n_elements * _ALL_REDUCE_ITEMSIZE[wire_format])]
+    if _one_all_reduce(wire_format, world_size):
+        return [("all_reduce", n_elements * _ALL_REDUCE_ITEMSIZE.get(wire_format, 2))]
     n = world_size
     if wire_format == "bf16+fp32sum":
         msg = math.ceil(n_elements / n) * n * 2
@@ -275,16 +283,20 @@ GPU_HOST_COST = HostCost(
 def collectives_of(fmt: FormatName, fabric: Fabric) -> int:
     """How many collectives a bucket in ``fmt`` issues on ``fabric`` (two-level falls back to flat on one node or
     with one rank per node, as the runtime does)."""
-    flat = 1 if fmt.traffic in _ALL_REDUCE_ITEMSIZE else 2
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
-        return flat + 2  # the node's reduce-scatter (or all-reduce) and all-gather
-    return flat
+        # the node's reduce-scatter (or all-reduce) and all-gather around the exchange between the nodes
+        return (1 if _one_all_reduce(fmt.traffic, fabric.nodes) else 2) + 2
+    return 1 if _one_all_reduce(fmt.traffic, fabric.world_size) else 2
 
 
 def host_time_us(fabric: Fabric, n_elements: int, fmt: FormatName, host: HostCost) -> float:
     """The host and pass time of one bucket of ``n_elements`` float32 gradients in ``fmt``."""
-    passes = host.passes_ns(fmt.traffic)
-    if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
+    two_level = fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1
+    exchanged_by = fabric.nodes if two_level else fabric.world_size
+    # 16 bits with float32 sums over two ranks is one all-reduce: a 16-bit format's passes, no sum pass
+    traffic = "bf16" if fmt.traffic == "bf16+fp32sum" and _one_all_reduce(fmt.traffic, exchanged_by) else fmt.traffic
+    passes = host.passes_ns(traffic)
+    if two_level:
         passes = passes / fabric.ranks_per_node + host.two_level_ns_per_element
     return host.bucket_us + (collectives_of(fmt, fabric) - 1) * host.collective_us + passes * n_elements * 1e-3
 
