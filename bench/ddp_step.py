@@ -128,7 +128,7 @@ def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], 
         ddp_triton.register(ddp, comm_dtype=torch.bfloat16)
     elif variant == "triton_hook_fp32":
         ddp_triton.register(ddp, comm_dtype=torch.float32)
-    elif variant == "triton_hook_bf16_fp32sum":  # bf16 on the wire, float32 sums (all-to-all + all-gather)
+    elif variant == "triton_hook_bf16_fp32sum":  # bf16 on the wire, float32 sums (at two ranks one all-reduce)
         ddp_triton.register(ddp, comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
     elif variant == "triton_hook_fp8":  # block-scaled E4M3 with error feedback
         ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn)

@@ -197,8 +197,8 @@ def float32_sum(x: torch.Tensor, wire: torch.dtype = torch.bfloat16, scale: Opti
     """The sharded exchange: x / N (or x * ``scale``) rounded to the wire dtype, float32 sum in rank order, one
     rounding."""
     sent = (x * (1.0 / x.shape[0] if scale is None else scale)).to(wire)
-    total = torch.zeros(x.shape[1], dtype=torch.float32)
-    for r in range(x.shape[0]):
+    total = sent[0].float()  # from the first rank's value, as the kernel
+    for r in range(1, x.shape[0]):
         total = total + sent[r].float()
     return total.to(wire).float()
 

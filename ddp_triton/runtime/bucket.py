@@ -10,7 +10,8 @@ the future DDP waits on, which completes once the bucket holds the mean. Two kin
   the all-reduce's completion. NCCL completes its futures at launch (stream order), so the unpack runs inline;
   gloo completes them on its own thread.
 - ``ShardedComm``: a staged exchange through the state's exchange queue: all-to-all, float32 sum, all-gather
-  (``exchange.py``), or the two-level exchange (``two_level.py``: reduce-scatter in the node, the format between
+  (``exchange.py``; over two ranks the 16-bit formats with float32 sums are an ``AllReduceComm`` instead, the same
+  bits: ``WireFormat.one_all_reduce``), or the two-level exchange (``two_level.py``: reduce-scatter in the node, the format between
   nodes, all-gather in the node).
 
 A failed collective fails the future (``then_unpack``): the backward fails on this rank instead of training on with
@@ -111,7 +112,8 @@ class BucketComm:
         self.residuals: Optional[LayoutResiduals] = None
         """For FP8 with error feedback: this bucket layout's residuals."""
         self.exchange: Optional[StagedExchange] = None
-        """For the formats summed in float32 and the two-level ones: the staged exchange; None for an all-reduce."""
+        """For the formats summed in float32 (16-bit ones over three or more ranks) and the two-level ones: the
+        staged exchange; None for an all-reduce."""
 
     @property
     def valid(self) -> bool:

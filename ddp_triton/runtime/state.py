@@ -322,7 +322,8 @@ class CommState:
                            grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
                            queue=self.exchanges, nodes=self.nodes, mixed=self.formats is not None,
                            queue_all_reduce=self.formats is not None and any(
-                               w.sharded or w.hierarchical for w in self.formats.values()))
+                               (w.sharded and not w.one_all_reduce(self.world_size)) or w.hierarchical
+                               for w in self.formats.values()))
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
         if self.active_profile is None or not self.algorithm_groups:

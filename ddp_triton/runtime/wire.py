@@ -51,12 +51,12 @@ class WireFormat:
         return self.comm_dtype in FP8_DTYPES
 
     def one_all_reduce(self, n_ranks: int) -> bool:
-        """Whether exchanging in this format over ``n_ranks`` is, bit for bit, one all-reduce in its 16-bit dtype:
-        16 bits with float32 sums over two ranks. The float32 sum of two 16-bit values, rounded once to 16 bits, is
-        their correctly rounded 16-bit sum, which is what NCCL's and gloo's sum of two 16-bit values is: the sum is
-        exact in float32 unless one value lies below the other's last 16-bit place by more than float32's extra
-        bits, and then both round to the larger. So the all-to-all and the all-gather can be one all-reduce of the
-        same bytes: one collective fewer."""
+        """Whether exchanging in this format over ``n_ranks`` is, bit for bit (NaN payloads aside), one all-reduce
+        in its 16-bit dtype: 16 bits with float32 sums over two ranks. The float32 sum of two 16-bit values, rounded
+        once to 16 bits, is their correctly rounded 16-bit sum (rounding to float32 first cannot change the result
+        when float32 holds at least 2p + 1 bits for a p-bit significand: 17 for bf16, 23 for fp16, and float32 has
+        24, over both formats' exponent ranges), which is what NCCL's and gloo's sum of two 16-bit values is. So
+        the all-to-all and the all-gather can be one all-reduce of the same bytes: one collective fewer."""
         return n_ranks == 2 and self.sharded and not self.block_scaled
 
     @property

@@ -229,6 +229,40 @@ def _hsdp_worker(rank, world_size):
     dist.barrier()
 
 
+def _three_replicas_worker(rank, world_size):
+    """3 replicas of one rank each: the replica hop in bf16 with float32 sums over three, by all-to-all and
+    all-gather (over two it is one all-reduce): every rank's gradient / 3 rounded to bf16, summed in float32 in rank
+    order, rounded once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (3, 1), mesh_dim_names=("replicate", "shard"))
+    plain, model = make_model(), make_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
+                                     replicate_group=mesh.get_group("replicate"))
+    x, y = data(0)
+    per_rank = local_grads(plain, x, y, world_size)
+    real_all_to_all, all_to_alls = dist.all_to_all_single, []
+    dist.all_to_all_single = lambda *a, **k: all_to_alls.append(1) or real_all_to_all(*a, **k)
+    try:
+        backward(model, x, y, rank, world_size)
+    finally:
+        dist.all_to_all_single = real_all_to_all
+    assert len(all_to_alls) == 3  # one per FSDP group that holds parameters
+    for i, p in enumerate(model.parameters()):
+        sent = [(g[i] * (1.0 / 3)).to(torch.bfloat16).float() for g in per_rank]
+        want = (sent[0] + sent[1] + sent[2]).to(torch.bfloat16).float()
+        assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
+    assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]
+
+
+def test_hsdp_over_three_replicas_sums_in_float32_by_all_to_all():
+    torch_path_workers(_three_replicas_worker, 3)
+
+
 def test_hsdp_keeps_float32_in_the_replica_and_sends_bf16_between_replicas():
     torch_path_workers(_hsdp_worker, 4)
 
@@ -457,7 +491,11 @@ def _fp16_sum_worker(rank, world_size):
         per_rank.append([q.grad.clone() for q in copy_.parameters()])
     small_loss(model, rank).backward()
     for i, p in enumerate(model.parameters()):
-        total = sum(g[i].to(torch.float16).float() for g in per_rank) / world_size
+        sent = [g[i].to(torch.float16).float() for g in per_rank]
+        total = sent[0]
+        for value in sent[1:]:  # in rank order from the first rank's value, as the float32 sum adds
+            total = total + value
+        total = total / world_size
         rows = -(-total.shape[0] // world_size)
         want = total[rank * rows:(rank + 1) * rows]
         assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i

@@ -100,7 +100,7 @@ def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, m
     reference = TwoLevelReference(model, options, world_size, nodes=nodes)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     state, buckets = recording_state(ddp, options)
-    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
+    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (world_size // LOCAL, LOCAL)
     assert state.wire.name.startswith("two-level ")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
@@ -132,6 +132,19 @@ def _every_format_worker(rank, world_size):
             # 16 bits with float32 sums is one all-reduce (the same bits), FP8 an all-to-all and an all-gather.
             fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
             assert {len(e.exchange.stages) for e in state.buckets.values()} == {4 if fp8 else 3}, str(summary)
+
+
+def _three_nodes_worker(rank, world_size):
+    state = _same_bits_worker(rank, world_size, dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 25,
+                              steps=2)
+    # Between three nodes the float32 sums take the all-to-all and the all-gather: 4 collectives a bucket.
+    assert {len(e.exchange.stages) for e in state.buckets.values()} == {4}
+
+
+def test_two_level_between_three_nodes_sums_in_float32_by_all_to_all():
+    """3 nodes x 2 ranks, bf16 with float32 sums: the exchange between the nodes that two nodes do not take (there it
+    is one all-reduce), against the reference."""
+    torch_path_workers(_three_nodes_worker, 3 * LOCAL, timeout=240)
 
 
 def test_two_level_same_bits_as_the_reference():

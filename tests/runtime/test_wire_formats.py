@@ -9,6 +9,7 @@ residuals included, across DDP's bucket rebuild and a checkpoint.
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -337,6 +338,37 @@ def _two_ranks_worker(rank, world_size):
         assert [b.wire_format for b in summary.buckets] == [state.wire.name], str(summary)
         assert {e.record.collectives_per_pass for e in state.buckets.values()} == {1}  # no all-to-all, no all-gather
         assert summary.wire_bytes_per_step == per_rank[0].numel() * 2  # the all-reduce of the 16-bit bucket
+
+
+def _round_to_bf16(x):
+    """float64 -> the nearest bfloat16 (ties to even), by integer operations on the bits: one rounding."""
+    bits = x.view(np.int64)
+    keep = (bits >> 45) + (((bits >> 44) & 1) & (((bits & ((1 << 44) - 1)) != 0) | ((bits >> 45) & 1)))
+    return (keep << 45).view(np.float64)
+
+
+def test_a_float32_sum_of_two_16_bit_values_rounds_as_their_exact_sum():
+    """What makes the two-rank all-reduce the same bits: rounding the float32 sum of two 16-bit values to 16 bits
+    gives their exact sum correctly rounded (float64 holds it exactly; numpy rounds float64 to float16 once, and
+    bfloat16 is rounded on the bits here). Random bit patterns, and pairs one just under a tie apart."""
+    rng = np.random.default_rng(0)
+    n = 400_000
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(np.float16)
+    b = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(np.float16)
+    near = n // 2  # b about half a unit in a's last place, give or take a few units of float32
+    b[:near] = (a[:near].astype(np.float64) * np.ldexp(1.0, -rng.integers(10, 14, near).astype(np.int32))
+                * rng.choice([-1.0, 1.0], near) * (1 + rng.integers(0, 4, near) * 2.0 ** -10)).astype(np.float16)
+    finite = np.isfinite(a) & np.isfinite(b)
+    exact = (a.astype(np.float64) + b.astype(np.float64)).astype(np.float16)
+    via32 = torch.from_numpy(a.astype(np.float32) + b.astype(np.float32)).to(torch.float16).numpy()
+    assert np.array_equal(exact.view(np.uint16)[finite], via32.view(np.uint16)[finite])
+    # bfloat16: values over a wide exponent range, the second 0 to 30 binades below the first
+    exponent, gap = rng.integers(-90, 100, n), rng.integers(0, 30, n)  # no sum below bf16's normal range
+    x = np.ldexp(1 + rng.integers(0, 128, n) / 128.0, exponent) * rng.choice([-1.0, 1.0], n)
+    y = np.ldexp(1 + rng.integers(0, 128, n) / 128.0, exponent - gap) * rng.choice([-1.0, 1.0], n)
+    ta, tb = torch.from_numpy(x).float().bfloat16(), torch.from_numpy(y).float().bfloat16()
+    total = ta.double().numpy() + tb.double().numpy()
+    assert np.array_equal(_round_to_bf16(total), (ta.float() + tb.float()).bfloat16().double().numpy())
 
 
 def test_at_two_ranks_float32_sums_are_one_all_reduce_with_the_same_bits():
