@@ -12,6 +12,8 @@ them (``kernels.bind_*``: direct launches), and counts the bytes it must move:
 - reduce (N ranks, error feedback): reads N rows per row of its shard (N * 132 B per 128 elements) and the shard's
   residual, writes it and the new row: per shard element N * 132/128 + 4 + 4 + 132/128 B;
 - dequantize (to float32, no stats): reads the rows (132/128 B), writes the bucket (4 B);
+- sum of blocks (FSDP's FP8 reduce-scatter, N ranks): reads N rows per row of its shard, writes float32: per shard
+  element N * 132/128 + 4 B;
 - sum of slices (bfloat16, N ranks): reads N * 2 B, writes 2 B per shard element;
 - torch's ``copy_`` of the bucket to bfloat16 as a reference point (4 + 2 B per element).
 
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 from bench.common import append_results, bench_us, environment, format_table, save_json  # noqa: E402
 from bench.kernels import copy_ceiling_gbps  # noqa: E402
 from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks,  # noqa: E402
-                                bind_sum_slices, block_layout, quantize_blocks)
+                                bind_sum_blocks, bind_sum_slices, block_layout, quantize_blocks)
 from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -72,6 +74,11 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
         (f"reduce e4m3 x{ranks} +ef", bind_reduce_blocks(received, ranks, shard, residual=shard_residual),
          shard_rows * 128 * (ranks * row_bytes_per_element + 8 + row_bytes_per_element)),
         ("dequantize e4m3 -> fp32", bind_dequantize_blocks(send, layout, out), n * (row_bytes_per_element + 4)),
+        # FSDP's end: the N ranks' rows of one shard summed into float32 (shard_rows rows a rank: block_layout of
+        # one shard's worth of whole blocks)
+        (f"sum blocks e4m3 x{ranks} -> fp32", bind_sum_blocks(received, ranks, block_layout([shard_rows * 128], 1),
+                                                               shard_residual),
+         shard_rows * 128 * (ranks * row_bytes_per_element + 4)),
         (f"sum slices bf16 x{ranks}", bind_sum_slices(slices16, ranks, summed16), slice_n * (ranks * 2 + 2)),
         ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
     ]

@@ -288,6 +288,12 @@ def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, 
     return bind_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 
+def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
+                    fmt: torch.dtype = torch.float8_e4m3fn) -> Callable[[], None]:
+    """Check :func:`sum_blocks` once and return a callable that repeats it (see :func:`bind_quantize_blocks`)."""
+    return bind_call(_sum_blocks_call(received, n_ranks, layout, out, fmt))
+
+
 def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
                            fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
                            canonical_nan: bool = True) -> Callable[[], None]:

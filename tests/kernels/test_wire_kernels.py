@@ -466,6 +466,18 @@ def test_bound_sum_slices_replays_the_plain_call_and_refuses_bad_input_at_bind()
         assert_same_bits(bound, plain)
     with pytest.raises(ValueError, match="received has"):
         slices.bind_sum_slices(received, 2, bound)
+    layout = block_layout([300, 5], 1)
+    rows = torch.empty(3 * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    values = gradient_like([300, 5] * 3, torch.float32)
+    plain, bound = torch.empty(305), torch.empty(305)
+    run = blockscale.bind_sum_blocks(rows, 3, layout, bound)
+    for step in range(2):  # new rows each time: the bound call reads them where they are
+        blockscale.quantize_blocks(values * (step + 1), block_layout([300, 5] * 3, 3), rows)
+        blockscale.sum_blocks(rows, 3, layout, plain)
+        run()
+        assert_same_bits(bound, plain)
+    with pytest.raises(ValueError, match="received"):
+        blockscale.bind_sum_blocks(rows, 2, layout, bound)
     layout = block_layout([10], 1)
     with pytest.raises(ValueError, match="src has 9 elements"):
         blockscale.bind_quantize_blocks(torch.ones(9), layout, rows_for(layout))
