@@ -189,13 +189,14 @@ def test_a_torch_without_custom_reduce_scatter_is_named(monkeypatch):
         fsdp.register(nn.Linear(2, 2))
 
 
-def _hsdp_worker(rank, world_size):
-    """2 replicas x 2 shards: FSDP2's float32 reduce-scatter inside each replica, then bf16 with float32 sums
-    between the replicas. Rank (i, j) = 2i + j."""
+def _hsdp_backward(rank, world_size, replicas):
+    """A model sharded over each replica's ranks, our bf16 + float32 sums between the ``replicas`` (the shard hop
+    FSDP2's float32), one backward. Returns the mesh, the model, the state, every rank's local gradients (from an
+    unsharded copy) and how many all-to-alls this rank issued."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
     plain, model = make_model(), make_model()
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh["shard"])
@@ -211,7 +212,15 @@ def _hsdp_worker(rank, world_size):
         backward(model, x, y, rank, world_size)
     finally:
         dist.all_to_all_single = real_all_to_all
-    assert not all_to_alls  # two replicas: the float32 sum of two is one bf16 all-reduce, the same bits
+    assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]  # the root holds no parameters of its own
+    return mesh, model, per_rank, len(all_to_alls)
+
+
+def _hsdp_worker(rank, world_size):
+    """2 replicas x 2 shards: FSDP2's float32 reduce-scatter inside each replica, then bf16 with float32 sums
+    between the replicas. Rank (i, j) = 2i + j."""
+    mesh, model, per_rank, all_to_alls = _hsdp_backward(rank, world_size, 2)
+    assert all_to_alls == 0  # two replicas: the float32 sum of two is one bf16 all-reduce, the same bits
     replica, shard_index = divmod(rank, 2)
     for i, p in enumerate(model.parameters()):
         in_replica = [(per_rank[2 * k][i] + per_rank[2 * k + 1][i]) / 2 for k in range(2)]  # the shard hop, float32
@@ -220,8 +229,9 @@ def _hsdp_worker(rank, world_size):
         rows = -(-total.shape[0] // 2)
         want = total[shard_index * rows:(shard_index + 1) * rows]
         assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
-    assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]  # the root holds no parameters of its own
     # A model sharded on the whole 2-D mesh is native HSDP: FSDP all-reduces the replicas itself.
+    from torch.distributed.fsdp import fully_shard
+
     native = make_model()
     fully_shard(native, mesh=mesh)
     with pytest.raises(ValueError, match="native HSDP"):
@@ -233,30 +243,12 @@ def _three_replicas_worker(rank, world_size):
     """3 replicas of one rank each: the replica hop in bf16 with float32 sums over three, by all-to-all and
     all-gather (over two it is one all-reduce): every rank's gradient / 3 rounded to bf16, summed in float32 in rank
     order, rounded once."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (3, 1), mesh_dim_names=("replicate", "shard"))
-    plain, model = make_model(), make_model()
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    state = ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
-                                     replicate_group=mesh.get_group("replicate"))
-    x, y = data(0)
-    per_rank = local_grads(plain, x, y, world_size)
-    real_all_to_all, all_to_alls = dist.all_to_all_single, []
-    dist.all_to_all_single = lambda *a, **k: all_to_alls.append(1) or real_all_to_all(*a, **k)
-    try:
-        backward(model, x, y, rank, world_size)
-    finally:
-        dist.all_to_all_single = real_all_to_all
-    assert len(all_to_alls) == 3  # one per FSDP group that holds parameters
+    _, model, per_rank, all_to_alls = _hsdp_backward(rank, world_size, 3)
+    assert all_to_alls == 3  # one per FSDP group that holds parameters
     for i, p in enumerate(model.parameters()):
         sent = [(g[i] * (1.0 / 3)).to(torch.bfloat16).float() for g in per_rank]
         want = (sent[0] + sent[1] + sent[2]).to(torch.bfloat16).float()
         assert torch.equal(p.grad.to_local().contiguous().view(torch.int32), want.contiguous().view(torch.int32)), i
-    assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]
 
 
 def test_hsdp_over_three_replicas_sums_in_float32_by_all_to_all():
