@@ -19,9 +19,9 @@ Formats (``ddp_triton.register(ddp, profile=None, ...)`` with): ``fp32`` (comm_d
 all-reduce), ``bf16`` (one bf16 all-reduce), ``bf16+fp32sum`` (accumulate_dtype=float32), ``fp8e4m3+ef``
 (float8_e4m3fn, error feedback on) and ``fp8e4m3`` (error_feedback=False), the two-level forms; and FSDP2
 (``fully_shard`` on the whole model, ``FSDP_FORMATS``): its float32 and ``reduce_dtype=torch.bfloat16``
-reduce-scatters, and ours through ``ddp_triton.fsdp.register`` (bf16 with float32 sums, FP8 with error feedback). Each run starts from the same weights
-(``torch.manual_seed``) and sees the same batches (drawn from a generator seeded by step and rank), so the runs
-differ only by what the wire does to the gradients.
+reduce-scatters, and ours through ``ddp_triton.fsdp.register`` (bf16 with float32 sums, FP8 with error feedback).
+Each run starts from the same weights (``torch.manual_seed``) and sees the same batches (drawn from a generator
+seeded by step and rank), so the runs differ only by what the wire does to the gradients.
 
 Final loss: the training loss averaged over ranks and over the last ``--last`` steps; also a held-out loss at the
 end (the seed model: 2048 held-out samples; the char model: 32 windows from the last 10% of the corpus). Bytes on

@@ -11,8 +11,8 @@ the future DDP waits on, which completes once the bucket holds the mean. Two kin
   gloo completes them on its own thread.
 - ``ShardedComm``: a staged exchange through the state's exchange queue: all-to-all, float32 sum, all-gather
   (``exchange.py``; over two ranks the 16-bit formats with float32 sums are an ``AllReduceComm`` instead, the same
-  bits: ``WireFormat.one_all_reduce``), or the two-level exchange (``two_level.py``: reduce-scatter in the node, the format between
-  nodes, all-gather in the node).
+  bits: ``WireFormat.one_all_reduce``), or the two-level exchange (``two_level.py``: reduce-scatter in the node,
+  the format between nodes, all-gather in the node).
 
 A failed collective fails the future (``then_unpack``): the backward fails on this rank instead of training on with
 local gradients.

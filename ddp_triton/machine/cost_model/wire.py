@@ -181,7 +181,7 @@ def two_level_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> floa
 # --------------------------------------------------------------------------------------------------------------------
 
 #: What each 16-bit or 32-bit short name travels as in an all-reduce, and the FP8 formats' names.
-_ALL_REDUCE_NAMES = ("fp32", "bf16", "fp16")
+_ALL_REDUCE_NAMES = tuple(_ALL_REDUCE_ITEMSIZE)
 _FP8_NAMES = ("fp8e4m3", "fp8e5m2")
 #: The prefix of the two-level forms in a format's name (``two-level fp8e4m3+ef``); ``two-level-`` is read too.
 TWO_LEVEL = "two-level "

@@ -61,8 +61,8 @@ def ring_error(world_size: int, fp32_sum: bool, seed: int = 0) -> float:
     grads = (_student_t(rng, (world_size, _SIM_ELEMENTS)) + signal).astype(np.float32)
     exact = grads.astype(np.float64).mean(axis=0)
     sent = _to_bf16(grads * np.float32(1.0 / world_size))
-    total = sent[0].copy() if not fp32_sum else np.zeros(_SIM_ELEMENTS, dtype=np.float32)
-    for r in range(0 if fp32_sum else 1, world_size):
+    total = sent[0].copy()  # from the first rank's value, in rank order
+    for r in range(1, world_size):
         total = total + sent[r] if fp32_sum else _to_bf16(total + sent[r])
     result = _to_bf16(total) if fp32_sum else total
     return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
@@ -70,9 +70,8 @@ def ring_error(world_size: int, fp32_sum: bool, seed: int = 0) -> float:
 
 def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tuple[List[str], Dict[str, str]]:
     """The formats the tuner chooses among, and for each that stands in for another, why: each name canonical
-    (ValueError
-    on an unknown one), and plain bf16 (flat, or two-level across ``nodes``) replaced by bf16 with float32 sums
-    where ``ring_error`` puts it more than ``ERROR_RATIO_LIMIT`` times worse."""
+    (ValueError on an unknown one), and plain bf16 (flat, or two-level across ``nodes``) replaced by bf16 with
+    float32 sums where ``ring_error`` puts it more than ``ERROR_RATIO_LIMIT`` times worse."""
     if not allowed:
         raise ValueError("no wire formats allowed: name at least one")
     names: List[str] = []
@@ -162,7 +161,7 @@ def _reason(fmt: str, sizes: List[int], by_size: Dict[int, Dict[str, float]], re
 def format_choice(source: str, allowed: Sequence[str], rows: Sequence[FormatRow], replaced: Mapping[str, str],
                   host: str) -> FormatChoice:
     """The profile's ``formats``: the ranges chosen from ``rows`` (timed or modelled in the admitted formats)."""
-    admitted = sorted({r.format for r in rows}, key=[r.format for r in rows].index)
+    admitted = list(dict.fromkeys(r.format for r in rows))  # in the rows' order
     return FormatChoice(source=source, allowed=[cm.parse_format(f).name for f in allowed], admitted=admitted,
                         table=choose_formats(rows, replaced=replaced), rows=list(rows), host=host,
                         notes=[f"{name} {why}" for name, why in replaced.items()])
