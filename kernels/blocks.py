@@ -8,7 +8,7 @@ so that every rank of an all-to-all owns the same number of rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,23 @@ class BlockLayout:
             element = torch.arange(self.n_elements, dtype=torch.int64)
             cached = self._cache["positions"] = row * BLOCK_ELEMENTS + (element - starts[row])
         return cached
+
+
+    def step_spans(self, step_rows: int) -> List[Tuple[int, int, int, int]]:
+        """(first row, end row, first element, end element) of each step of ``step_rows`` rows: the elements its
+        data rows hold, one range because blocks follow the tensors in order (empty for padding rows). Computed once
+        per step size: a pass that goes step by step asks at every call."""
+        spans = self._cache.get(("step_spans", step_rows))
+        if spans is None:
+            starts = range(0, self.n_rows, step_rows)
+            lasts = [min(r0 + step_rows, self.n_blocks) - 1 for r0 in starts]
+            firsts = self.table[list(starts), 0].tolist()  # only each step's first and last rows are read
+            ends = self.table[[max(last, 0) for last in lasts]].sum(dim=1).tolist()
+            spans = self._cache[("step_spans", step_rows)] = [
+                (r0, min(r0 + step_rows, self.n_rows), first, end) if last >= r0
+                else (r0, min(r0 + step_rows, self.n_rows), self.n_elements, self.n_elements)
+                for r0, last, first, end in zip(starts, lasts, firsts, ends)]
+        return spans
 
 
 def block_layout(sizes: Sequence[int], n_shards: int, block_elements: Optional[int] = None) -> BlockLayout:

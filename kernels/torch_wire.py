@@ -414,16 +414,8 @@ def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Call
 
 def _row_spans(layout: BlockLayout) -> List[Tuple[int, int, int, int]]:
     """(first row, end row, first element, end element) of each step of CHUNK_ROWS rows of ``layout``: the
-    elements its data rows hold (blocks follow the tensors in order, so they are one range; empty for padding)."""
-    table, spans = layout.table.tolist(), []
-    for r0 in range(0, layout.n_rows, CHUNK_ROWS):
-        r1 = min(r0 + CHUNK_ROWS, layout.n_rows)
-        last = min(r1, layout.n_blocks) - 1
-        if last < r0:
-            spans.append((r0, r1, layout.n_elements, layout.n_elements))
-        else:
-            spans.append((r0, r1, table[r0][0], table[last][0] + table[last][1]))
-    return spans
+    elements its data rows hold (empty for padding)."""
+    return layout.step_spans(CHUNK_ROWS)
 
 
 def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
@@ -491,6 +483,9 @@ def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, o
     from the first rank's: the first slice dequantized into ``out``, each further one into a float32 scratch
     buffer and added (the kernel's roundings: each value times its scale, then the adds)."""
     step = layout.n_rows * ROW_BYTES
+    passes = _native(fmt)
+    if passes is not None:
+        return _native_sum_blocks(passes, received, n_ranks, layout, out)
     slices = [received[r * step:(r + 1) * step] for r in range(n_ranks)]
     first = bind_dequantize_blocks(slices[0], layout, out, fmt, None, canonical_nan=False)
     if n_ranks == 1:
@@ -505,6 +500,31 @@ def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, o
             out.add_(part)
 
     return run
+
+
+def _native_sum_blocks(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, layout: BlockLayout,
+                       out: torch.Tensor) -> Callable[[], None]:
+    """The compiled sum of blocks, step by step: each step's rows of the first rank dequantized into ``out``, each
+    further rank's into a scratch buffer that stays in cache, and added there (no scratch of ``out``'s size)."""
+    table, rank_bytes = layout.table, layout.n_rows * ROW_BYTES
+    values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=out.device)
+    steps = []
+    for r0, r1, e0, e1 in _row_spans(layout):
+        if e1 == e0:
+            continue
+        rows = min(r1, layout.n_blocks) - r0
+        at = [(received.data_ptr() + rank * rank_bytes + ROW_BYTES * r0, table.data_ptr() + 16 * r0, rows)
+              for rank in range(n_ranks)]
+        steps.append((at, e0, out[e0:e1], values[: e1 - e0]))
+
+    def run() -> None:
+        for at, e0, part_out, part_values in steps:
+            passes.dequantize(*at[0], out.data_ptr(), 0, 0)
+            for rows_at in at[1:]:
+                passes.dequantize(*rows_at, values.data_ptr(), e0, 0)
+                part_out.add_(part_values)
+
+    return _keeping(run, received, out, values, table)
 
 
 # ---- plain calls: the bound form, made and run once -------------------------------------------------------------

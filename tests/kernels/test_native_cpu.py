@@ -87,6 +87,40 @@ def test_compiled_passes_give_the_torch_passes_bits(compiled, monkeypatch, fmt, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("sizes", [pytest.param([128 * 3, 128 * torch_wire.CHUNK_ROWS + 77], id="two-steps-tail"),
+                                   pytest.param([64, 4096, 64, 300, 0, 129], id="ragged"),
+                                   pytest.param([77] * 40 + [128 * torch_wire.CHUNK_ROWS], id="ragged-two-steps")])
+def test_compiled_sum_of_blocks_gives_the_torch_passes_bits(compiled, monkeypatch, fmt, sizes):
+    """The compiled sum goes step by step through a scratch buffer of one step; the torch passes dequantize each
+    rank whole: the same float32 adds in rank order, so the same bits."""
+    ranks = 3
+    layout = block_layout(sizes, 1)
+    received = torch.empty(ranks * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
+    for r, rows in enumerate(received.view(ranks, -1)):
+        torch_wire._torch_quantize(values(layout.n_elements, seed=40 + r), layout, rows, 1.0, fmt, None)()
+    got, want = (torch.full((layout.n_elements,), 7.0) for _ in range(2))
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "1")
+    torch_wire.bind_sum_blocks(received, ranks, layout, got, fmt)()
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    torch_wire.bind_sum_blocks(received, ranks, layout, want, fmt)()
+    assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("sizes, n_shards", [([5], 1), ([128 * 3, 128 * torch_wire.CHUNK_ROWS + 77], 4),
+                                             ([77] * 40 + [128 * torch_wire.CHUNK_ROWS], 3), ([0, 0], 2)])
+def test_step_spans_are_the_element_ranges_of_each_steps_rows(sizes, n_shards):
+    layout = block_layout(sizes, n_shards)
+    table = layout.table.tolist()
+    for step_rows in (1, 7, torch_wire.CHUNK_ROWS):
+        want = []
+        for r0 in range(0, layout.n_rows, step_rows):
+            data = [(start, length) for start, length in table[r0:r0 + step_rows] if length]
+            span = (data[0][0], data[-1][0] + data[-1][1]) if data else (layout.n_elements,) * 2
+            want.append((r0, min(r0 + step_rows, layout.n_rows)) + span)
+        assert layout.step_spans(step_rows) == want
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_compiled_dequantize_keeps_or_canonicalises_nans_as_asked(compiled, monkeypatch, fmt):
     """A non-finite block arrives as NaN codes: canonical NaNs by default; without, the NaN the kernel decodes."""
     layout = block_layout([300], 1)
