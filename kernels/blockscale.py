@@ -28,7 +28,7 @@ from .blocks import BlockLayout
 from .convert import _convert, _load_fp32, _write_stats
 from .dtypes import BITS_DTYPE, OUT_KIND
 from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
-from .launch import Grid, KernelCall, bind_call, run_call
+from .launch import Grid, KernelCall, PreparedCall, bind_call, run_call
 from .pack import uses_triton
 from .validation import check_count, check_scale, check_stats, check_vector
 
@@ -160,13 +160,14 @@ def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.
 # ---- the three passes: checked once into a KernelCall, run once (plain call) or bound to repeat -----------------
 
 
-def _quantize_call(src, layout, rows, scale, fmt, residual) -> KernelCall:
+def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> KernelCall:
     spec = _format(fmt)
-    _check_layout(layout)
-    check_vector(src, "src", numel=layout.n_elements)
-    _check_rows(rows, layout.n_rows, "rows", src.device)
-    _check_residual(residual, src.numel(), src.device)
-    scale = check_scale(scale)
+    if checked:
+        _check_layout(layout)
+        check_vector(src, "src", numel=layout.n_elements)
+        _check_rows(rows, layout.n_rows, "rows", src.device)
+        _check_residual(residual, src.numel(), src.device)
+        scale = check_scale(scale)
     if not uses_triton(src.device):
         return KernelCall(torch_path=torch_wire.bind_quantize_blocks(src, layout, rows, scale, spec, residual))
     src_bf16 = src.dtype == torch.bfloat16
@@ -179,16 +180,17 @@ def _quantize_call(src, layout, rows, scale, fmt, residual) -> KernelCall:
     return KernelCall(launch=(grid, _quantize_blocks_kernel, args, constexprs))
 
 
-def _reduce_call(received, n_ranks, out, fmt, residual) -> KernelCall:
+def _reduce_call(received, n_ranks, out, fmt, residual, checked=True) -> KernelCall:
     spec = _format(fmt)
-    check_count(n_ranks, "n_ranks")
-    check_vector(out, "out", dtypes=(torch.uint8,))
-    if out.numel() % ROW_BYTES:
-        raise ValueError(f"out has {out.numel()} bytes, not whole {ROW_BYTES}-byte rows")
     rows_per_rank = out.numel() // ROW_BYTES
-    _check_rows(out, rows_per_rank, "out", out.device)
-    _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
-    _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
+    if checked:
+        check_count(n_ranks, "n_ranks")
+        check_vector(out, "out", dtypes=(torch.uint8,))
+        if out.numel() % ROW_BYTES:
+            raise ValueError(f"out has {out.numel()} bytes, not whole {ROW_BYTES}-byte rows")
+        _check_rows(out, rows_per_rank, "out", out.device)
+        _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
+        _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
     if not uses_triton(out.device):
         return KernelCall(torch_path=torch_wire.bind_reduce_blocks(received, n_ranks, out, spec, residual))
     args = (received, received.view(torch.int32), residual if residual is not None else out, out,
@@ -199,12 +201,13 @@ def _reduce_call(received, n_ranks, out, fmt, residual) -> KernelCall:
     return KernelCall(launch=(grid, _reduce_blocks_kernel, args, constexprs))
 
 
-def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True) -> KernelCall:
+def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True, checked=True) -> KernelCall:
     spec = _format(fmt)
-    _check_layout(layout)
-    check_vector(dst, "dst", numel=layout.n_elements)
-    _check_rows(rows, layout.n_rows, "rows", dst.device)
-    check_stats(stats, dst.device)
+    if checked:
+        _check_layout(layout)
+        check_vector(dst, "dst", numel=layout.n_elements)
+        _check_rows(rows, layout.n_rows, "rows", dst.device)
+        check_stats(stats, dst.device)
     if not uses_triton(dst.device):
         return KernelCall(torch_path=torch_wire.bind_dequantize_blocks(rows, layout, dst, spec, stats,
                                                                        canonical_nan))
@@ -220,12 +223,13 @@ def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True) -> Kerne
     return KernelCall(launch=(grid, _dequantize_blocks_kernel, args, constexprs), after=after)
 
 
-def _sum_blocks_call(received, n_ranks, layout, out, fmt) -> KernelCall:
+def _sum_blocks_call(received, n_ranks, layout, out, fmt, checked=True) -> KernelCall:
     spec = _format(fmt)
-    _check_layout(layout)
-    check_count(n_ranks, "n_ranks")
-    check_vector(out, "out", numel=layout.n_elements, dtypes=(torch.float32,))
-    _check_rows(received, n_ranks * layout.n_rows, "received", out.device)
+    if checked:
+        _check_layout(layout)
+        check_count(n_ranks, "n_ranks")
+        check_vector(out, "out", numel=layout.n_elements, dtypes=(torch.float32,))
+        _check_rows(received, n_ranks * layout.n_rows, "received", out.device)
     if not uses_triton(out.device):
         return KernelCall(torch_path=torch_wire.bind_sum_blocks(received, n_ranks, layout, out, spec))
     args = (received, received.view(torch.int32), layout.table_on(out.device), out, n_ranks,
@@ -300,3 +304,40 @@ def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.T
     """Check :func:`dequantize_blocks` once and return a callable that repeats it (see
     :func:`bind_quantize_blocks`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
     return bind_call(_dequantize_call(rows, layout, dst, fmt, stats, canonical_nan))
+
+
+# ---- prepared: checked and compiled once, run on the tensors each call passes ------------------------------------
+
+
+def prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
+                            fmt: torch.dtype = torch.float8_e4m3fn,
+                            residual: Optional[torch.Tensor] = None) -> PreparedCall:
+    """Check and compile :func:`quantize_blocks` once for tensors like these; the returned call runs it on the
+    tensors each call passes, ``call(src, rows, residual)``, with a bound launch's host work and without holding
+    them (:class:`~.launch.PreparedCall`: for buffers allocated anew at every call)."""
+    scale = check_scale(scale)
+    return PreparedCall(lambda s, r, res, checked: _quantize_call(s, layout, r, scale, fmt, res, checked),
+                        ("src", "rows", "residual"), (src, rows, residual))
+
+
+def prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                          fmt: torch.dtype = torch.float8_e4m3fn,
+                          residual: Optional[torch.Tensor] = None) -> PreparedCall:
+    """:func:`reduce_blocks` prepared as :func:`prepare_quantize_blocks` is: ``call(received, out, residual)``."""
+    return PreparedCall(lambda rec, o, res, checked: _reduce_call(rec, n_ranks, o, fmt, res, checked),
+                        ("received", "out", "residual"), (received, out, residual))
+
+
+def prepare_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
+                              fmt: torch.dtype = torch.float8_e4m3fn, canonical_nan: bool = True) -> PreparedCall:
+    """:func:`dequantize_blocks` (without statistics) prepared as :func:`prepare_quantize_blocks` is:
+    ``call(rows, dst)``; ``canonical_nan`` as for :func:`kernels.bind_pack`."""
+    return PreparedCall(lambda r, d, checked: _dequantize_call(r, layout, d, fmt, None, canonical_nan, checked),
+                        ("rows", "dst"), (rows, dst))
+
+
+def prepare_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
+                       fmt: torch.dtype = torch.float8_e4m3fn) -> PreparedCall:
+    """:func:`sum_blocks` prepared as :func:`prepare_quantize_blocks` is: ``call(received, out)``."""
+    return PreparedCall(lambda rec, o, checked: _sum_blocks_call(rec, n_ranks, layout, o, fmt, checked),
+                        ("received", "out"), (received, out))

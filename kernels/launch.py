@@ -138,9 +138,18 @@ class _DirectLaunch:
         else:
             self._launch()
 
-    def _launch(self) -> None:
+    def _launch(self, values: Optional[Sequence] = None) -> None:
         self.run(self.grid, 1, 1, self.current_stream(self.index), self.function, self.metadata, None, None, None,
-                 *self.values)
+                 *(self.values if values is None else values))
+
+    def launch_with(self, values: Sequence) -> None:
+        """Launch with other argument values (the launcher's list, as :func:`_launcher_values` gives it) of the same
+        specialisation: other tensors' addresses in place of the bound ones."""
+        if self.current_device() != self.index:
+            with torch.cuda.device(self.index):
+                self._launch(values)
+        else:
+            self._launch(values)
 
 
 def _hook_holder() -> Any:
@@ -300,3 +309,108 @@ def bind_call(call: KernelCall) -> Callable[[], None]:
         after()
 
     return launch_then_after
+
+
+# ---- prepared calls: checked and compiled once, run on the caller's tensors of each call ------------------------
+
+
+def specialisation(args: tuple) -> tuple:
+    """What Triton compiles a kernel for besides its constexprs and argument types: whether each pointer is 16-byte
+    aligned, and whether each int is 1, a multiple of 16 or beyond 32 bits. Argument lists with equal
+    specialisations run one compiled kernel."""
+    key = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append(arg.data_ptr() % 16 == 0)
+        elif type(arg) is int:
+            key.append((arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31)))
+        else:
+            key.append(type(arg))
+    return tuple(key)
+
+
+def _meta(tensor: Optional[torch.Tensor], name: str) -> Optional[tuple]:
+    """What a prepared call's checks read of one of its tensors."""
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} has layout {tensor.layout}; only dense (strided) tensors are supported")
+    return (tensor.layout, tensor.dtype, tensor.device, tuple(tensor.shape), tensor.is_contiguous(),
+            tensor.data_ptr() % 4)  # FP8 rows are read as 32-bit words: a checked 4-byte alignment stays
+
+
+def _describe_meta(meta: Optional[tuple]) -> str:
+    if meta is None:
+        return "None"
+    _, dtype, device, shape, contiguous, address_mod_4 = meta
+    return (f"{'' if contiguous else 'non-contiguous '}{str(dtype).replace('torch.', '')} of shape {list(shape)} on "
+            f"{device} at an address {address_mod_4} past a multiple of 4")
+
+
+def _check_disjoint(names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """ValueError naming two of ``tensors`` that share memory: a prepared call reads and writes distinct buffers."""
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                    for name, t in zip(names, tensors) if t is not None and t.numel() > 0)
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise ValueError(f"{first} and {second} overlap in memory; a prepared call takes distinct buffers")
+
+
+class PreparedCall:
+    """A kernel call checked, planned and compiled once for tensors like its examples, then run on the tensors each
+    call passes: a bound launch's host work for a caller whose buffers are new at every call (FSDP allocates its
+    reduce-scatter's input and output each step), without holding them between calls.
+
+    ``call(*tensors)`` takes the tensors in the order of ``names``. Each must be like its example in everything the
+    full checks read (shape, dtype, device, contiguity, address modulo 4; None where the example was None), and no
+    two may share memory; a call that differs is refused with a ValueError naming the tensor, before anything runs.
+    On CUDA the compiled kernel's launcher is called with the new addresses in place of the examples'
+    (``_DirectLaunch``); a call whose arguments Triton would specialise otherwise (a pointer 16-byte aligned where
+    the first call's was not, or the reverse) goes through Triton's launcher, as calls do in the interpreter, with a
+    launch hook installed, or where the direct launch is unavailable. On the torch path (CPU tensors) each call
+    binds that path afresh: views and closures, no checks.
+    """
+
+    def __init__(self, build: Callable[..., KernelCall], names: Sequence[str],
+                 examples: Sequence[Optional[torch.Tensor]]) -> None:
+        self._build, self._names = build, tuple(names)
+        self._metas = tuple(_meta(t, name) for name, t in zip(self._names, examples))
+        _check_disjoint(self._names, examples)
+        first = build(*examples, checked=True)  # every check of a plain call, naming any problem
+        self._direct: Optional[_DirectLaunch] = None
+        self._key: Optional[tuple] = None
+        self._bind_later = False
+        if first.launch is not None:
+            plan, _, args, _ = first.launch
+            self._bind_later = _can_launch_directly(plan, args)
+
+    def _check(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        if len(tensors) != len(self._names):
+            raise TypeError(f"this prepared call takes {len(self._names)} tensors ({', '.join(self._names)}), got "
+                            f"{len(tensors)}")
+        for name, meta, tensor in zip(self._names, self._metas, tensors):
+            got = _meta(tensor, name)
+            if got != meta:
+                raise ValueError(f"{name} is {_describe_meta(got)}; this call was prepared for "
+                                 f"{_describe_meta(meta)}")
+        _check_disjoint(self._names, tensors)
+
+    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
+        self._check(tensors)
+        call = self._build(*tensors, checked=False)
+        if call.torch_path is not None:
+            call.torch_path()
+            return
+        plan, kernel, args, constexprs = call.launch
+        if self._bind_later and not (_direct_launch_ok is None and _capturing()):
+            self._bind_later = False  # bound once, for the specialisation of the arguments seen first
+            self._direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
+            self._key = specialisation(args)
+        if self._direct is not None and not launch_hooks_installed() and specialisation(args) == self._key:
+            self._direct.launch_with(_launcher_values(kernel, args, constexprs))
+        else:
+            launch(plan, kernel, args, constexprs)
+        if call.after is not None:
+            call.after()

@@ -16,10 +16,11 @@ import torch
 
 from . import _triton, torch_path
 from .dtypes import BITS_DTYPE, OUT_KIND
-from .launch import BoundLaunch, direct_launch, kernel_arguments, launch, launch_hooks_installed
+from .launch import (BoundLaunch, KernelCall, PreparedCall, direct_launch, kernel_arguments, launch,
+                     launch_hooks_installed)
 from .layouts import LayoutCache, signature
 from .validation import check_flat, check_overlap, check_scale, check_stats, check_tensor_list
-from .worklist import PLANS, Plan
+from .worklist import PLANS, Plan, build_plan
 
 
 Layout = Callable[[Sequence[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], None]
@@ -218,3 +219,48 @@ def bind_unpack(
         torch.sum(partials, dim=0, out=stats)
 
     return run_with_stats
+
+
+# ---- prepared: one tensor, checked and compiled once, run on the tensors each call passes --------------------------
+
+
+def _one_tensor_call(tensor: torch.Tensor, flat: torch.Tensor, scale: float, packing: bool, canonical_nan: bool,
+                     checked: bool) -> KernelCall:
+    """A pack of ``tensor`` into ``flat`` (or, not ``packing``, an unpack of ``flat`` into it) as a KernelCall."""
+    if checked:
+        if packing:
+            _check_pack([tensor], flat, scale)
+        else:
+            _check_unpack(flat, [tensor], scale, None)
+    if flat.numel() == 0:
+        return KernelCall(torch_path=lambda: None)
+    if not uses_triton(flat.device):
+        return KernelCall(torch_path=torch_path.bind_pack([tensor], flat, scale, canonical_nan) if packing
+                          else torch_path.bind_unpack(flat, [tensor], scale, None, canonical_nan))
+    plan = build_plan([tensor], flat, packing, flat.device)  # one run: no table, nothing copied to the device
+    if packing:
+        args = kernel_arguments(plan, tensor, flat.view(BITS_DTYPE[flat.dtype]), scale, OUT_KIND[flat.dtype], None)
+    else:
+        args = kernel_arguments(plan, flat, tensor.view(BITS_DTYPE[tensor.dtype]), scale, OUT_KIND[tensor.dtype],
+                                None)
+    return KernelCall(launch=(plan, *args))
+
+
+def prepare_pack(tensor: torch.Tensor, out: torch.Tensor, scale: float = 1.0, *,
+                 canonical_nan: bool = True) -> PreparedCall:
+    """Check and compile :func:`pack` of one tensor once for tensors like these; the returned call runs it on the
+    tensors each call passes, ``call(tensor, out)``, with a bound launch's host work and without holding them
+    (:class:`~.launch.PreparedCall`: for buffers allocated anew at every call; ``canonical_nan`` as for
+    :func:`bind_pack`). The two must not share memory."""
+    scale = check_scale(scale)
+    return PreparedCall(lambda t, o, checked: _one_tensor_call(t, o, scale, True, canonical_nan, checked),
+                        ("tensor", "out"), (tensor, out))
+
+
+def prepare_unpack(flat: torch.Tensor, tensor: torch.Tensor, scale: float = 1.0, *,
+                   canonical_nan: bool = True) -> PreparedCall:
+    """:func:`unpack` of ``flat`` into one tensor (without statistics) prepared as :func:`prepare_pack` is:
+    ``call(flat, tensor)``."""
+    scale = check_scale(scale)
+    return PreparedCall(lambda f, t, checked: _one_tensor_call(t, f, scale, False, canonical_nan, checked),
+                        ("flat", "tensor"), (flat, tensor))

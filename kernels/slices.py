@@ -14,7 +14,7 @@ import torch
 from . import _triton, torch_wire
 from .convert import _convert, _load_fp32
 from .dtypes import BITS_DTYPE, OUT_KIND
-from .launch import Grid, KernelCall, bind_call, run_call
+from .launch import Grid, KernelCall, PreparedCall, bind_call, run_call
 from .pack import uses_triton
 from .validation import check_count, check_vector
 
@@ -44,13 +44,14 @@ else:  # pragma: no cover - exercised only where Triton is missing
     _sum_slices_kernel = None
 
 
-def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
-                     canonical_nan: bool = True) -> KernelCall:
-    check_count(n_ranks, "n_ranks")
-    check_vector(out, "out")
-    check_vector(received, "received", numel=n_ranks * out.numel(), device=out.device)
-    if received.dtype != out.dtype and out.dtype != torch.float32:
-        raise TypeError(f"out ({out.dtype}) must be received's dtype ({received.dtype}) or float32")
+def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor, canonical_nan: bool = True,
+                     checked: bool = True) -> KernelCall:
+    if checked:
+        check_count(n_ranks, "n_ranks")
+        check_vector(out, "out")
+        check_vector(received, "received", numel=n_ranks * out.numel(), device=out.device)
+        if received.dtype != out.dtype and out.dtype != torch.float32:
+            raise TypeError(f"out ({out.dtype}) must be received's dtype ({received.dtype}) or float32")
     if not uses_triton(out.device):
         return KernelCall(torch_path=torch_wire.bind_sum_slices(received, n_ranks, out, canonical_nan))
     src_bf16 = received.dtype == torch.bfloat16
@@ -76,3 +77,12 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
     CUDA, as :func:`kernels.bind_pack`; ``canonical_nan`` as there). It keeps the tensors alive: bind again when any
     is reallocated."""
     return bind_call(_sum_slices_call(received, n_ranks, out, canonical_nan))
+
+
+def prepare_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                       canonical_nan: bool = True) -> PreparedCall:
+    """Check and compile :func:`sum_slices` once for tensors like these; the returned call runs it on the tensors
+    each call passes, ``call(received, out)``, with a bound launch's host work and without holding them
+    (:class:`~.launch.PreparedCall`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
+    return PreparedCall(lambda rec, o, checked: _sum_slices_call(rec, n_ranks, o, canonical_nan, checked),
+                        ("received", "out"), (received, out))

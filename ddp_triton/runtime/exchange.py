@@ -332,14 +332,27 @@ def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: 
     return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
 
 
+def float32_sum_buffers(n: int, world_size: int, dtype: torch.dtype,
+                        device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(send, recv, shard) of a float32-sum exchange of ``n`` elements in ``dtype``: whole shards, the all-to-all
+    splitting the buffer evenly, the padding past ``n`` zero."""
+    padded = -(-n // world_size) * world_size
+    send = torch.zeros(padded, dtype=dtype, device=device)
+    return send, torch.empty_like(send), torch.empty(padded // world_size, dtype=dtype, device=device)
+
+
+def block_fp8_buffers(layout: BlockLayout, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(send, recv, shard) of a block-scaled FP8 exchange of ``layout``'s rows."""
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
+    return send, torch.empty_like(send), torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8,
+                                                     device=device)
+
+
 def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, world_size: int,
                          pre_scale: float, post_scale: float, stats: Optional[torch.Tensor]) -> ShardedExchange:
     """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack."""
     n = buffer.numel()
-    padded = -(-n // world_size) * world_size  # whole shards: the all-to-all splits the buffer evenly
-    send = torch.zeros(padded, dtype=wire.comm_dtype, device=buffer.device)  # the tail stays zero
-    recv = torch.empty_like(send)
-    shard = torch.empty(padded // world_size, dtype=wire.comm_dtype, device=buffer.device)
+    send, recv, shard = float32_sum_buffers(n, world_size, wire.comm_dtype, buffer.device)
     pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)  # NaN bits: see bucket.py
     unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats, canonical_nan=False)
     return ShardedExchange(buffer, group, send, recv, shard, pack,
@@ -351,9 +364,7 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
                        stats: Optional[torch.Tensor]) -> ShardedExchange:
     """Block-scaled FP8: quantize (with error feedback), all-to-all, float32 sum and requantize, all-gather,
     dequantize."""
-    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
-    recv = torch.empty_like(send)
-    shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
+    send, recv, shard = block_fp8_buffers(layout, buffer.device)
     fmt = wire.comm_dtype
     first = residuals.first if residuals is not None else None
     second = residuals.second if residuals is not None else None

@@ -104,6 +104,8 @@ def _bits_worker(rank, world_size, divide_by=None):
         opt.step()
         plain_opt.step()
     assert state.calls == 3 * 3  # one reduce-scatter per FSDP group that holds parameters, per backward
+    # Each group's pack and sum of slices were prepared at its first reduce-scatter and run on new buffers since.
+    assert [c.kernels.prepared for c in state.comms if c.calls] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("world_size, divide_by", [(2, None), (3, None), (2, 8.0)])
@@ -347,6 +349,7 @@ def _fp8_worker(rank, world_size, tmp):
     assert len(first_layouts) == 3 and all(a is not None for pair in first_layouts for a in pair)
     assert all(c.layout is a and c.row_layout is b
                for c, (a, b) in zip([c for c in state.comms if c.calls], first_layouts))
+    assert [c.kernels.prepared for c in state.comms if c.calls] == [2, 2, 2]  # quantize, sum of blocks: once
     # Resume: three more steps unbroken, against a save after these three and a load into a fresh model and state.
     saved, path = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 6))
     assert saved["wire_format"] == "fp8e4m3+ef" and len(saved["residuals"]) == 6
@@ -366,6 +369,24 @@ def test_a_group_s_block_layout_is_reused_while_its_chunks_and_ranks_stay():
         other = cached_layout(sizes, n, first)
         assert other is not first and other.sizes == sizes and other.n_shards == n
         assert torch.equal(other.table, ddp_triton.kernels.block_layout(sizes, n).table)
+
+
+def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffers():
+    from ddp_triton.runtime.fsdp import GroupKernels
+
+    group, prepared_for = GroupKernels(), []
+
+    def prepare(tensor, out):
+        prepared_for.append(tensor.numel())
+        return ddp_triton.kernels.prepare_pack(tensor, out, 0.5)
+
+    for n in (100, 100, 64, 100, 64):
+        src, out = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
+        group.run(("pack", 0.5), prepare, src, out)
+        assert torch.equal(out, (src * 0.5).to(torch.bfloat16))
+    assert prepared_for == [100, 64] and group.prepared == 2
+    group.run(("pack", 0.5), prepare, torch.randn(100), torch.empty(100))  # another dtype: prepared for it
+    assert group.prepared == 3
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -452,6 +473,9 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
     assert len(first_layouts) == 3
     assert all(h.layout is a and a is not None
                for h, a in zip([h for h in state.replica_hooks if h.calls], first_layouts))
+    # quantize, reduce and dequantize prepared once per group; the shard hop is FSDP2's own float32 reduce-scatter
+    assert [h.kernels.prepared for h in state.replica_hooks if h.calls] == [3, 3, 3]
+    assert all(c.kernels.prepared == 0 for c in state.comms)
     saved, _ = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 5))
     assert saved["replica_wire_format"] == "fp8e4m3+ef" and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
 
