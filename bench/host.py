@@ -77,7 +77,12 @@ def cuda_like_path() -> Iterator[None]:
     """CPU tensors take the Triton path down to the stubbed launcher; layouts cached before are forgotten."""
     with mock.patch.object(pack_module, "uses_triton", lambda device: True), \
             mock.patch.object(blockscale_module, "uses_triton", lambda device: True), \
-            mock.patch.object(pack_module, "direct_launch", stub_direct_launch):
+            mock.patch.object(pack_module, "direct_launch", stub_direct_launch), \
+            mock.patch.object(launch_module, "_can_launch_directly", lambda plan, args: plan.n_items > 0), \
+            mock.patch.object(launch_module, "_direct_launch_ok", True), \
+            mock.patch.object(launch_module, "_bind_direct", lambda plan, kernel, args, constexprs, device:
+                              stub_direct_launch(plan, kernel, args, constexprs)), \
+            mock.patch.object(launch_module, "launch", lambda plan, kernel, args, constexprs: None):
         pack_module.LAYOUTS.clear()
         try:
             yield
@@ -140,6 +145,7 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
         ("bound_fp8", "bound FP8 quantize launch (wire formats), bind_quantize_blocks(...)()", bound_fp8, 5000),
     ]
+    rows += fsdp_group_rows()
     if hook_fn is not None:
         rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
     return rows + [
@@ -148,6 +154,38 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("pack_148_first", "pack, 148 tensors, a layout's first call", _first_call(lambda: pack(grads, flat, SCALE)),
          20),
     ]
+
+
+def fsdp_group_rows() -> List[Tuple[str, str, Callable[[], Any], int]]:
+    """The kernel calls of one FSDP group's FP8 reduce-scatter (quantize with the residual, then the sum of the
+    ranks' blocks; 8 ranks, a transformer block's 8 parameter chunks), as plain calls and as the prepared calls the
+    group keeps, each on the same buffers every call (their addresses do not change the host work)."""
+    from ddp_triton.kernels import (block_layout, prepare_quantize_blocks, prepare_sum_blocks, quantize_blocks,
+                                    sum_blocks)
+    from ddp_triton.kernels.fp8 import ROW_BYTES
+
+    ranks, sizes = 8, (3 * 96 * 64, 3 * 96, 96 * 64, 96, 4 * 96 * 64, 4 * 96, 4 * 96 * 64, 96)
+    layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
+    src = torch.randn(layout.n_elements)
+    residual = torch.zeros_like(src)
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+    received = torch.empty_like(send)
+    total = torch.empty(row_layout.n_elements)
+    quantize = prepare_quantize_blocks(src, layout, send, SCALE, residual=residual)
+    add = prepare_sum_blocks(received, ranks, row_layout, total)
+
+    def plain() -> None:
+        quantize_blocks(src, layout, send, SCALE, residual=residual)
+        sum_blocks(received, ranks, row_layout, total)
+
+    def prepared() -> None:
+        quantize(src, send, residual)
+        add(received, total)
+
+    return [("fsdp_fp8_plain", "FSDP FP8 group, plain quantize + sum_blocks (+ Triton's launcher, stubbed here)",
+             plain, 2000),
+            ("fsdp_fp8_prepared", "FSDP FP8 group, prepared quantize + sum_blocks (direct launches)", prepared,
+             2000)]
 
 
 def hook_front_end() -> Callable[[], Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import os
 import threading
@@ -22,6 +24,7 @@ except ImportError:  # pragma: no cover - Triton ships Linux wheels only
 INTERPRETER = AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def version_tuple() -> tuple:
     """Triton's version as integers, (0,) when Triton is missing."""
     if not AVAILABLE:

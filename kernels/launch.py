@@ -314,21 +314,6 @@ def bind_call(call: KernelCall) -> Callable[[], None]:
 # ---- prepared calls: checked and compiled once, run on the caller's tensors of each call ------------------------
 
 
-def specialisation(args: tuple) -> tuple:
-    """What Triton compiles a kernel for besides its constexprs and argument types: whether each pointer is 16-byte
-    aligned, and whether each int is 1, a multiple of 16 or beyond 32 bits. Argument lists with equal
-    specialisations run one compiled kernel."""
-    key = []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            key.append(arg.data_ptr() % 16 == 0)
-        elif type(arg) is int:
-            key.append((arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31)))
-        else:
-            key.append(type(arg))
-    return tuple(key)
-
-
 def _meta(tensor: Optional[torch.Tensor], name: str) -> Optional[tuple]:
     """What a prepared call's checks read of one of its tensors."""
     if tensor is None:
@@ -337,14 +322,14 @@ def _meta(tensor: Optional[torch.Tensor], name: str) -> Optional[tuple]:
         raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise TypeError(f"{name} has layout {tensor.layout}; only dense (strided) tensors are supported")
-    return (tensor.layout, tensor.dtype, tensor.device, tuple(tensor.shape), tensor.is_contiguous(),
-            tensor.data_ptr() % 4)  # FP8 rows are read as 32-bit words: a checked 4-byte alignment stays
+    # FP8 rows are read as 32-bit words: the address modulo 4 keeps the 4-byte alignment a full check saw.
+    return tensor.dtype, tensor.shape, tensor.device, tensor.is_contiguous(), tensor.data_ptr() & 3
 
 
 def _describe_meta(meta: Optional[tuple]) -> str:
     if meta is None:
         return "None"
-    _, dtype, device, shape, contiguous, address_mod_4 = meta
+    dtype, shape, device, contiguous, address_mod_4 = meta
     return (f"{'' if contiguous else 'non-contiguous '}{str(dtype).replace('torch.', '')} of shape {list(shape)} on "
             f"{device} at an address {address_mod_4} past a multiple of 4")
 
@@ -358,6 +343,33 @@ def _check_disjoint(names: Sequence[str], tensors: Sequence[Optional[torch.Tenso
             raise ValueError(f"{first} and {second} overlap in memory; a prepared call takes distinct buffers")
 
 
+class _Specialised:
+    """A direct launch for one specialisation of a kernel's arguments: which of them are pointers and whether each
+    is 16-byte aligned, the other values (fixed for a prepared call: they come from its sizes and settings), and
+    the constexprs the launcher takes after them."""
+
+    __slots__ = ("direct", "is_pointer", "alignment", "others", "other_values", "tail")
+
+    def __init__(self, direct: _DirectLaunch, args: tuple, values: list) -> None:
+        self.direct = direct
+        self.is_pointer = tuple(isinstance(a, torch.Tensor) for a in args)
+        self.alignment = tuple(values[i] & 15 == 0 if pointer else None for i, pointer in enumerate(self.is_pointer))
+        self.others = tuple(i for i, pointer in enumerate(self.is_pointer) if not pointer)
+        self.other_values = tuple(values[i] for i in self.others)
+        self.tail = tuple(values[len(args):])
+
+    def values_for(self, args: tuple) -> Optional[list]:
+        """The launcher's values for ``args``, or None where Triton would compile them otherwise (other alignment,
+        another scalar: ints are specialised on their value)."""
+        values = [a.data_ptr() if pointer else a for a, pointer in zip(args, self.is_pointer)]
+        if tuple(v & 15 == 0 if pointer else None for v, pointer in zip(values, self.is_pointer)) != self.alignment:
+            return None
+        if tuple(values[i] for i in self.others) != self.other_values:
+            return None
+        values.extend(self.tail)
+        return values
+
+
 class PreparedCall:
     """A kernel call checked, planned and compiled once for tensors like its examples, then run on the tensors each
     call passes: a bound launch's host work for a caller whose buffers are new at every call (FSDP allocates its
@@ -366,7 +378,7 @@ class PreparedCall:
     ``call(*tensors)`` takes the tensors in the order of ``names``. Each must be like its example in everything the
     full checks read (shape, dtype, device, contiguity, address modulo 4; None where the example was None), and no
     two may share memory; a call that differs is refused with a ValueError naming the tensor, before anything runs.
-    On CUDA the compiled kernel's launcher is called with the new addresses in place of the examples'
+    On CUDA the compiled kernel's launcher is called with the new addresses in place of the first call's
     (``_DirectLaunch``); a call whose arguments Triton would specialise otherwise (a pointer 16-byte aligned where
     the first call's was not, or the reverse) goes through Triton's launcher, as calls do in the interpreter, with a
     launch hook installed, or where the direct launch is unavailable. On the torch path (CPU tensors) each call
@@ -377,10 +389,10 @@ class PreparedCall:
                  examples: Sequence[Optional[torch.Tensor]]) -> None:
         self._build, self._names = build, tuple(names)
         self._metas = tuple(_meta(t, name) for name, t in zip(self._names, examples))
+        self._sizes = tuple(0 if t is None else t.numel() * t.element_size() for t in examples)
         _check_disjoint(self._names, examples)
         first = build(*examples, checked=True)  # every check of a plain call, naming any problem
-        self._direct: Optional[_DirectLaunch] = None
-        self._key: Optional[tuple] = None
+        self._specialised: Optional[_Specialised] = None
         self._bind_later = False
         if first.launch is not None:
             plan, _, args, _ = first.launch
@@ -395,7 +407,18 @@ class PreparedCall:
             if got != meta:
                 raise ValueError(f"{name} is {_describe_meta(got)}; this call was prepared for "
                                  f"{_describe_meta(meta)}")
-        _check_disjoint(self._names, tensors)
+        # Like-shaped tensors: each spans the bytes its example did (None, and empty tensors, span none).
+        spans = sorted((t.data_ptr(), size) for t, size in zip(tensors, self._sizes) if size)
+        for (start, size), (next_start, _) in zip(spans, spans[1:]):
+            if next_start < start + size:
+                _check_disjoint(self._names, tensors)  # names the pair
+
+    def _bind(self, plan: Any, kernel: Any, args: tuple, constexprs: dict) -> None:
+        """Compile the direct launch, once, for the specialisation of the arguments seen first."""
+        self._bind_later = False
+        direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
+        if direct is not None:
+            self._specialised = _Specialised(direct, args, _launcher_values(kernel, args, constexprs))
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
         self._check(tensors)
@@ -405,11 +428,11 @@ class PreparedCall:
             return
         plan, kernel, args, constexprs = call.launch
         if self._bind_later and not (_direct_launch_ok is None and _capturing()):
-            self._bind_later = False  # bound once, for the specialisation of the arguments seen first
-            self._direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
-            self._key = specialisation(args)
-        if self._direct is not None and not launch_hooks_installed() and specialisation(args) == self._key:
-            self._direct.launch_with(_launcher_values(kernel, args, constexprs))
+            self._bind(plan, kernel, args, constexprs)
+        specialised = self._specialised
+        values = specialised.values_for(args) if specialised is not None else None
+        if values is not None and not launch_hooks_installed():
+            specialised.direct.launch_with(values)
         else:
             launch(plan, kernel, args, constexprs)
         if call.after is not None:
