@@ -103,6 +103,42 @@ def test_bound_wire_launches_take_the_direct_path_and_agree_with_plain_calls():
     assert quantize._direct is not None and reduce._direct is not None and summed._direct is not None
 
 
+def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch():
+    """Prepared once, run on new buffers at every call (as FSDP hands them): the plain calls' bits on those buffers;
+    a source 4 bytes past a 16-byte boundary goes through Triton's launcher, with the same bits."""
+    from ddp_triton import kernels
+
+    sizes, ranks, per_row = [1000, 129, 3, 70000], 3, fp8.ROW_BYTES
+    layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
+    n = layout.n_elements
+
+    def buffers(seed):
+        return {"src": gradient_like(sizes * ranks, seed).cuda(), "rows": torch.empty(layout.n_rows * per_row,
+                dtype=torch.uint8, device="cuda"), "res": gradient_like(sizes * ranks, seed + 1).cuda() * 1e-3,
+                "sum": torch.empty(row_layout.n_elements, device="cuda"),
+                "packed": torch.empty(n, dtype=torch.bfloat16, device="cuda")}
+
+    first = buffers(0)
+    quantize = kernels.prepare_quantize_blocks(first["src"], layout, first["rows"], 0.25, residual=first["res"])
+    add = kernels.prepare_sum_blocks(first["rows"], ranks, row_layout, first["sum"])
+    pack = kernels.prepare_pack(first["src"], first["packed"], 0.25)
+    for seed in (1, 2, 3):
+        got, want = buffers(seed), buffers(seed)
+        if seed == 3:
+            got["src"] = torch.cat([torch.zeros(1, device="cuda"), got["src"]])[1:]
+        quantize(got["src"], got["rows"], got["res"])
+        add(got["rows"], got["sum"])
+        pack(got["src"], got["packed"])
+        kernels.quantize_blocks(want["src"], layout, want["rows"], 0.25, residual=want["res"])
+        kernels.sum_blocks(want["rows"], ranks, row_layout, want["sum"])
+        kernels.pack([want["src"]], want["packed"], 0.25)
+        torch.cuda.synchronize()
+        assert torch.equal(got["rows"], want["rows"])
+        for name in ("res", "sum", "packed"):
+            assert_same_bits(got[name], want[name])
+    assert all(call._specialised is not None for call in (quantize, add, pack))
+
+
 @pytest.mark.parametrize("options", [dict(comm_dtype=torch.float8_e4m3fn),
                                      dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)],
                          ids=["fp8-ef", "bf16-fp32sum"])

@@ -39,12 +39,14 @@ The replica hop takes FP8 too (``replicate_comm_dtype``, error feedback on by de
 the shard over the replicas, its blocks following the parameters' chunks, both roundings fed back
 (``ReplicaAverage``); its residuals are checkpointed by module name with the rest.
 
-What is bound once per FSDP group: its FP8 block tables (each parameter's chunk cut into blocks, per row and for the
-whole input; on the device once), built at the group's first reduce-scatter and reused while its parameters'
-chunks and rank count stay what they were (checked at every call; a change builds them anew). Building them is a
-pass over every block in Python, milliseconds per group per step. The launches themselves are not bound: their
-input and output are the buffers FSDP allocates per step (one becomes the sharded gradient), and binding to buffers
-of our own would hold a copy of the group's gradients between steps.
+What is bound once per FSDP group (``GroupKernels``): its FP8 block tables (each parameter's chunk cut into blocks,
+per row and for the whole input; on the device once), built at the group's first reduce-scatter and reused while
+its parameters' chunks and rank count stay what they were (checked at every call; a change builds them anew), and
+its kernel calls, each checked and compiled at the group's first call of its kind (``kernels.prepare_*``). FSDP
+allocates a reduce-scatter's input and output at every step (the output becomes the sharded gradient), so the
+calls are bound to the group, not to buffers: each call runs on that step's buffers, which must be like the first
+call's (shapes, dtypes, device; compared at every call), and on a GPU its compiled launcher takes their addresses
+directly, without Triton's per-call argument handling. Nothing of a step's buffers is held after it.
 
 Not here yet: the distributed checkpoint's planner for the residuals.
 """
