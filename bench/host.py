@@ -1,4 +1,5 @@
-"""Host cost of pack / unpack, of a bound launch and of the hook's per-bucket front end, on any CPU.
+"""Host cost of pack / unpack, of a bound launch, of the hook's per-bucket front end and of one FSDP group's FP8
+kernel calls (plain, and prepared: ``kernels.prepare_*``), on any CPU.
 
     python -m bench.host              # the table, with each row's ratio to one torch op timed in the same run
     python -m bench.host --json       # one JSON object: microseconds, ratios, targets and the environment
@@ -12,7 +13,10 @@ getters the direct launch calls per launch (torch's current CUDA device and raw 
 build) are C builtins that return 0. To take the CUDA path without a GPU, ``uses_triton`` answers True for CPU
 tensors, and the direct launch that a plain call binds (``pack.direct_launch``) or that a bound launch holds
 (``BoundLaunch._direct``) is a real ``_DirectLaunch`` built around those stubs instead of a compiled kernel. The
-first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top.
+first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top. The plain FSDP row's
+two launches go through Triton's own launcher, stubbed whole here (its argument handling: 17.3 us per launch
+measured on the lent H200's host, shared/measurements): it costs that much more on a GPU; the prepared rows'
+direct launches are stubbed as the bound ones are.
 
 Ratios are to torch's host cost for one elementwise op on a small CPU tensor (``torch.mul(src, 0.125, out=dst)``,
 1024 float32), measured in the same run and interleaved with the rows, round by round (the fastest round of each
@@ -40,7 +44,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from bench.common import environment, format_table, host_us_per_call, save_json  # noqa: E402
-from bench.kernels import gpt2_small_shapes  # noqa: E402
+from bench.kernels import fsdp_group_calls, gpt2_small_shapes  # noqa: E402
 
 pack_module = importlib.import_module("ddp_triton.kernels.pack")  # the module: the package exports a function `pack`
 blockscale_module = importlib.import_module("ddp_triton.kernels.blockscale")
@@ -145,7 +149,7 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
         ("bound_fp8", "bound FP8 quantize launch (wire formats), bind_quantize_blocks(...)()", bound_fp8, 5000),
     ]
-    rows += fsdp_group_rows()
+    rows += fsdp_group_calls(CPU)
     if hook_fn is not None:
         rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
     return rows + [
@@ -154,38 +158,6 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("pack_148_first", "pack, 148 tensors, a layout's first call", _first_call(lambda: pack(grads, flat, SCALE)),
          20),
     ]
-
-
-def fsdp_group_rows() -> List[Tuple[str, str, Callable[[], Any], int]]:
-    """The kernel calls of one FSDP group's FP8 reduce-scatter (quantize with the residual, then the sum of the
-    ranks' blocks; 8 ranks, a transformer block's 8 parameter chunks), as plain calls and as the prepared calls the
-    group keeps, each on the same buffers every call (their addresses do not change the host work)."""
-    from ddp_triton.kernels import (block_layout, prepare_quantize_blocks, prepare_sum_blocks, quantize_blocks,
-                                    sum_blocks)
-    from ddp_triton.kernels.fp8 import ROW_BYTES
-
-    ranks, sizes = 8, (3 * 96 * 64, 3 * 96, 96 * 64, 96, 4 * 96 * 64, 4 * 96, 4 * 96 * 64, 96)
-    layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
-    src = torch.randn(layout.n_elements)
-    residual = torch.zeros_like(src)
-    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
-    received = torch.empty_like(send)
-    total = torch.empty(row_layout.n_elements)
-    quantize = prepare_quantize_blocks(src, layout, send, SCALE, residual=residual)
-    add = prepare_sum_blocks(received, ranks, row_layout, total)
-
-    def plain() -> None:
-        quantize_blocks(src, layout, send, SCALE, residual=residual)
-        sum_blocks(received, ranks, row_layout, total)
-
-    def prepared() -> None:
-        quantize(src, send, residual)
-        add(received, total)
-
-    return [("fsdp_fp8_plain", "FSDP FP8 group, plain quantize + sum_blocks (+ Triton's launcher, stubbed here)",
-             plain, 2000),
-            ("fsdp_fp8_prepared", "FSDP FP8 group, prepared quantize + sum_blocks (direct launches)", prepared,
-             2000)]
 
 
 def hook_front_end() -> Callable[[], Any]:

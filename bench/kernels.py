@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -215,6 +215,46 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     return rows
 
 
+def fsdp_group_calls(device: torch.device) -> List[Tuple[str, str, Callable[[], None], int]]:
+    """(key, what, call, calls per round) for the kernel calls of one FSDP group's FP8 reduce-scatter (quantize with
+    the residual, then the sum of the ranks' blocks; 8 ranks, a transformer block's 8 parameter chunks): plain
+    calls, and the prepared calls a group keeps, on the same buffers every call or on other ones every other call
+    (FSDP's buffers are new each step: the caching allocator often, not always, hands back the same addresses)."""
+    from ddp_triton.kernels import (block_layout, prepare_quantize_blocks, prepare_sum_blocks, quantize_blocks,
+                                    sum_blocks)
+    from ddp_triton.kernels.fp8 import ROW_BYTES
+
+    ranks, sizes = 8, (3 * 96 * 64, 3 * 96, 96 * 64, 96, 4 * 96 * 64, 4 * 96, 4 * 96 * 64, 96)
+    layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
+    buffers = [(torch.randn(layout.n_elements, device=device), torch.empty(layout.n_rows * ROW_BYTES,
+                dtype=torch.uint8, device=device), torch.zeros(layout.n_elements, device=device),
+                torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device),
+                torch.empty(row_layout.n_elements, device=device)) for _ in range(2)]
+    src, send, residual, received, total = buffers[0]
+    quantize = prepare_quantize_blocks(src, layout, send, 0.125, residual=residual)
+    add = prepare_sum_blocks(received, ranks, row_layout, total)
+    turns = iter(range(1 << 62))
+
+    def plain() -> None:
+        quantize_blocks(src, layout, send, 0.125, residual=residual)
+        sum_blocks(received, ranks, row_layout, total)
+
+    def prepared() -> None:
+        quantize(src, send, residual)
+        add(received, total)
+
+    def prepared_elsewhere() -> None:
+        s, rows, left, rec, out = buffers[next(turns) % 2]
+        quantize(s, rows, left)
+        add(rec, out)
+
+    return [("fsdp_fp8_plain", "FSDP FP8 group, plain quantize + sum_blocks", plain, 2000),
+            ("fsdp_fp8_prepared", "FSDP FP8 group, prepared quantize + sum_blocks, the same buffers", prepared,
+             2000),
+            ("fsdp_fp8_prepared_new", "FSDP FP8 group, prepared quantize + sum_blocks, other buffers each call",
+             prepared_elsewhere, 2000)]
+
+
 def host_overhead_rows(device: torch.device, shapes: List[tuple], calls: int = 2000) -> List[Dict[str, Any]]:
     """Host microseconds per call (the GPU is never the limit here): the cost a hook pays on the training thread
     per bucket, and a plain pack of GPT-2's gradient list, beside torch's own ops; ``calls`` per row."""
@@ -230,7 +270,7 @@ def host_overhead_rows(device: torch.device, shapes: List[tuple], calls: int = 2
         (f"ddp_triton unpack() of {len(grads)} tensors", lambda: unpack(flat, grads)),
         ("torch copy_ (one elementwise op)", lambda: out.copy_(src)),
         ("torch mul(...).to(bfloat16) (two ops)", lambda: src.mul(1.0 / WORLD).to(torch.bfloat16)),
-    ]
+    ] + [(what, fn) for _, what, fn, _ in fsdp_group_calls(device)]
     rows = [{"call": name, "host_us": host_us_per_call(fn, device, calls=calls, warmup=max(1, calls // 10))}
             for name, fn in candidates]
     if device.type == "cuda":

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import contextlib
+import functools
 import os
 import threading
 

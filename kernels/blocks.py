@@ -8,7 +8,7 @@ so that every rank of an all-to-all owns the same number of rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ class BlockLayout:
     """int64 (n_rows, 2) on the CPU: each row's (first element in the flat bucket, length); padding rows (0, 0)."""
     n_blocks: int
     """Rows that hold data; the rest, up to ``n_rows``, are padding."""
-    _cache: Dict[Any, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _cache: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_rows(self) -> int:
@@ -56,8 +56,7 @@ class BlockLayout:
             cached = self._cache["positions"] = row * BLOCK_ELEMENTS + (element - starts[row])
         return cached
 
-
-    def step_spans(self, step_rows: int) -> List[Tuple[int, int, int, int]]:
+    def step_spans(self, step_rows: int) -> Tuple[Tuple[int, int, int, int], ...]:
         """(first row, end row, first element, end element) of each step of ``step_rows`` rows: the elements its
         data rows hold, one range because blocks follow the tensors in order (empty for padding rows). Computed once
         per step size: a pass that goes step by step asks at every call."""
@@ -67,10 +66,10 @@ class BlockLayout:
             lasts = [min(r0 + step_rows, self.n_blocks) - 1 for r0 in starts]
             firsts = self.table[list(starts), 0].tolist()  # only each step's first and last rows are read
             ends = self.table[[max(last, 0) for last in lasts]].sum(dim=1).tolist()
-            spans = self._cache[("step_spans", step_rows)] = [
+            spans = self._cache[("step_spans", step_rows)] = tuple(
                 (r0, min(r0 + step_rows, self.n_rows), first, end) if last >= r0
                 else (r0, min(r0 + step_rows, self.n_rows), self.n_elements, self.n_elements)
-                for r0, last, first, end in zip(starts, lasts, firsts, ends)]
+                for r0, last, first, end in zip(starts, lasts, firsts, ends))
         return spans
 
 

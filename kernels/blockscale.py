@@ -182,12 +182,13 @@ def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> Ker
 
 def _reduce_call(received, n_ranks, out, fmt, residual, checked=True) -> KernelCall:
     spec = _format(fmt)
-    rows_per_rank = out.numel() // ROW_BYTES
     if checked:
         check_count(n_ranks, "n_ranks")
         check_vector(out, "out", dtypes=(torch.uint8,))
         if out.numel() % ROW_BYTES:
             raise ValueError(f"out has {out.numel()} bytes, not whole {ROW_BYTES}-byte rows")
+    rows_per_rank = out.numel() // ROW_BYTES
+    if checked:
         _check_rows(out, rows_per_rank, "out", out.device)
         _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
         _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
@@ -312,9 +313,10 @@ def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.T
 def prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
                             fmt: torch.dtype = torch.float8_e4m3fn,
                             residual: Optional[torch.Tensor] = None) -> PreparedCall:
-    """Check and compile :func:`quantize_blocks` once for tensors like these; the returned call runs it on the
-    tensors each call passes, ``call(src, rows, residual)``, with a bound launch's host work and without holding
-    them (:class:`~.launch.PreparedCall`: for buffers allocated anew at every call)."""
+    """Check :func:`quantize_blocks` once for tensors like these; the returned call runs it on the tensors each
+    call passes, ``call(src, rows, residual)``, with a bound launch's host work and without holding them (a direct
+    launch on CUDA, compiled at the first call: :class:`~.launch.PreparedCall`, for buffers allocated anew at every
+    call)."""
     scale = check_scale(scale)
     return PreparedCall(lambda s, r, res, checked: _quantize_call(s, layout, r, scale, fmt, res, checked),
                         ("src", "rows", "residual"), (src, rows, residual))

@@ -1,4 +1,4 @@
-"""Launching the conversion kernels: through Triton's launcher, or bound once and replayed with little host work.
+"""Launching the kernels: through Triton's launcher, bound once and replayed, or prepared once and run on new tensors.
 
 Triton's generic launcher re-binds and re-specialises every argument on every call (17-21 us of host time per
 launch measured on an H200 host, shared/measurements/h200-2026-11-30-launch.json), which a DDP hook would pay at
@@ -6,6 +6,9 @@ every bucket on the training thread. A :class:`BoundLaunch` resolves the compile
 arguments and afterwards calls its launcher directly. The launcher's calling convention changed in Triton 3.3
 (constexpr arguments are passed too), so the bound path checks itself once per process against the generic
 launcher and falls back to it, with a warning, if they ever disagree.
+
+A :class:`PreparedCall` is for buffers that are new at every call (FSDP's): checked once for tensors like its
+examples, it compares each call's tensors with them and hands the compiled launcher their addresses.
 
 What a launch runs over is a ``plan``: a work-list :class:`~.worklist.Plan` for pack and unpack, a :class:`Grid` for
 the wire-format kernels; both give ``n_items`` (programs), ``num_warps`` and ``options`` (compile options).
@@ -16,12 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import _triton
 from .convert import _contiguous_convert_kernel, _worklist_convert_kernel
+from .validation import check_disjoint, describe_like, like_key
 from .worklist import Plan, build_plan
 
 logger = logging.getLogger("ddp_triton.kernels")
@@ -116,9 +120,10 @@ def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
 
 
 class _DirectLaunch:
-    """The compiled kernel's launcher with every argument fixed, launched on its tensors' device whatever device is
-    current on the calling thread. Keeps ``compiled`` alive: its destructor unloads the module that ``function``
-    lives in."""
+    """The compiled kernel's launcher, launched on its tensors' device whatever device is current on the calling
+    thread: with the argument values it was bound with (``values``; a bound launch), or with each call's
+    (``launch_with``; a prepared call, which binds it with none, so that it cannot launch on a past call's
+    addresses). Keeps ``compiled`` alive: its destructor unloads the module that ``function`` lives in."""
 
     __slots__ = ("compiled", "run", "grid", "index", "function", "metadata", "values", "current_stream",
                  "current_device")
@@ -131,25 +136,20 @@ class _DirectLaunch:
         self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
     def __call__(self) -> None:
-        if self.current_device() != self.index:
-            # The C launcher uses the thread's current context: make it this device's.
-            with torch.cuda.device(self.index):
-                self._launch()
-        else:
-            self._launch()
-
-    def _launch(self, values: Optional[Sequence] = None) -> None:
-        self.run(self.grid, 1, 1, self.current_stream(self.index), self.function, self.metadata, None, None, None,
-                 *(self.values if values is None else values))
+        self.launch_with(self.values)
 
     def launch_with(self, values: Sequence) -> None:
-        """Launch with other argument values (the launcher's list, as :func:`_launcher_values` gives it) of the same
-        specialisation: other tensors' addresses in place of the bound ones."""
+        """Launch with these argument values (the launcher's list, as :func:`_launcher_values` gives it), which must
+        be of the specialisation it was compiled for."""
         if self.current_device() != self.index:
-            with torch.cuda.device(self.index):
+            with torch.cuda.device(self.index):  # the C launcher uses the thread's current context
                 self._launch(values)
         else:
             self._launch(values)
+
+    def _launch(self, values: Sequence) -> None:
+        self.run(self.grid, 1, 1, self.current_stream(self.index), self.function, self.metadata, None, None, None,
+                 *values)
 
 
 def _hook_holder() -> Any:
@@ -227,7 +227,7 @@ def _direct_launch_available(device: torch.device) -> Optional[bool]:
 
 
 def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
-                 device: torch.device) -> Optional[Callable[[], None]]:
+                 device: torch.device) -> Optional["_DirectLaunch"]:
     """A closure that launches the compiled kernel without Triton's per-call argument handling, or None (use
     Triton's launcher): when the self-check failed or cannot run yet (CUDA graph capture)."""
     if any(type(a) is int and a == 1 for a in args):
@@ -314,126 +314,115 @@ def bind_call(call: KernelCall) -> Callable[[], None]:
 # ---- prepared calls: checked and compiled once, run on the caller's tensors of each call ------------------------
 
 
-def _meta(tensor: Optional[torch.Tensor], name: str) -> Optional[tuple]:
-    """What a prepared call's checks read of one of its tensors."""
-    if tensor is None:
-        return None
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{name} has layout {tensor.layout}; only dense (strided) tensors are supported")
-    # FP8 rows are read as 32-bit words: the address modulo 4 keeps the 4-byte alignment a full check saw.
-    return tensor.dtype, tensor.shape, tensor.device, tensor.is_contiguous(), tensor.data_ptr() & 3
+class _Specialised(NamedTuple):
+    """A prepared call's direct launch for one alignment of its pointers: the launcher compiled for it, the values
+    of its other arguments (fixed for a prepared call: they come from its sizes and settings; Triton specialises
+    ints on their value) and the constexprs the launcher takes after them."""
 
-
-def _describe_meta(meta: Optional[tuple]) -> str:
-    if meta is None:
-        return "None"
-    dtype, shape, device, contiguous, address_mod_4 = meta
-    return (f"{'' if contiguous else 'non-contiguous '}{str(dtype).replace('torch.', '')} of shape {list(shape)} on "
-            f"{device} at an address {address_mod_4} past a multiple of 4")
-
-
-def _check_disjoint(names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
-    """ValueError naming two of ``tensors`` that share memory: a prepared call reads and writes distinct buffers."""
-    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                    for name, t in zip(names, tensors) if t is not None and t.numel() > 0)
-    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
-        if start < end:
-            raise ValueError(f"{first} and {second} overlap in memory; a prepared call takes distinct buffers")
-
-
-class _Specialised:
-    """A direct launch for one specialisation of a kernel's arguments: which of them are pointers and whether each
-    is 16-byte aligned, the other values (fixed for a prepared call: they come from its sizes and settings), and
-    the constexprs the launcher takes after them."""
-
-    __slots__ = ("direct", "is_pointer", "alignment", "others", "other_values", "tail")
-
-    def __init__(self, direct: _DirectLaunch, args: tuple, values: list) -> None:
-        self.direct = direct
-        self.is_pointer = tuple(isinstance(a, torch.Tensor) for a in args)
-        self.alignment = tuple(values[i] & 15 == 0 if pointer else None for i, pointer in enumerate(self.is_pointer))
-        self.others = tuple(i for i, pointer in enumerate(self.is_pointer) if not pointer)
-        self.other_values = tuple(values[i] for i in self.others)
-        self.tail = tuple(values[len(args):])
-
-    def values_for(self, args: tuple) -> Optional[list]:
-        """The launcher's values for ``args``, or None where Triton would compile them otherwise (other alignment,
-        another scalar: ints are specialised on their value)."""
-        values = [a.data_ptr() if pointer else a for a, pointer in zip(args, self.is_pointer)]
-        if tuple(v & 15 == 0 if pointer else None for v, pointer in zip(values, self.is_pointer)) != self.alignment:
-            return None
-        if tuple(values[i] for i in self.others) != self.other_values:
-            return None
-        values.extend(self.tail)
-        return values
+    direct: _DirectLaunch
+    others: tuple
+    tail: tuple
 
 
 class PreparedCall:
-    """A kernel call checked, planned and compiled once for tensors like its examples, then run on the tensors each
-    call passes: a bound launch's host work for a caller whose buffers are new at every call (FSDP allocates its
-    reduce-scatter's input and output each step), without holding them between calls.
+    """A kernel call checked once for tensors like its examples, then run on the tensors each call passes: a bound
+    launch's host work for a caller whose buffers are new at every call (FSDP allocates its reduce-scatter's input
+    and output each step), without holding them between calls.
 
     ``call(*tensors)`` takes the tensors in the order of ``names``. Each must be like its example in everything the
-    full checks read (shape, dtype, device, contiguity, address modulo 4; None where the example was None), and no
-    two may share memory; a call that differs is refused with a ValueError naming the tensor, before anything runs.
-    On CUDA the compiled kernel's launcher is called with the new addresses in place of the first call's
-    (``_DirectLaunch``); a call whose arguments Triton would specialise otherwise (a pointer 16-byte aligned where
-    the first call's was not, or the reverse) goes through Triton's launcher, as calls do in the interpreter, with a
-    launch hook installed, or where the direct launch is unavailable. On the torch path (CPU tensors) each call
-    binds that path afresh: views and closures, no checks.
+    full checks read (``like``: shape, dtype, device, contiguity, address modulo 4; None where the example was None),
+    and no two may share memory; a call that differs is refused with a ValueError naming the tensor, before anything
+    runs, and otherwise runs without the full checks. On CUDA each alignment of the pointers seen (16 bytes or not,
+    which Triton specialises on; FSDP's buffers always have the same) is compiled once, at its first call, and the
+    compiled kernel's launcher then takes each call's addresses directly (``_DirectLaunch.launch_with``). Calls go
+    through Triton's launcher in the interpreter, with a launch hook installed, where the direct launch is
+    unavailable, and for arguments Triton makes constants (an int of 1). On the torch path (CPU tensors) each call
+    binds that path afresh: its views and closures.
     """
 
     def __init__(self, build: Callable[..., KernelCall], names: Sequence[str],
                  examples: Sequence[Optional[torch.Tensor]]) -> None:
+        if len(names) != len(examples):
+            raise TypeError(f"{len(names)} names for {len(examples)} example tensors")
         self._build, self._names = build, tuple(names)
-        self._metas = tuple(_meta(t, name) for name, t in zip(self._names, examples))
-        self._sizes = tuple(0 if t is None else t.numel() * t.element_size() for t in examples)
-        _check_disjoint(self._names, examples)
         first = build(*examples, checked=True)  # every check of a plain call, naming any problem
-        self._specialised: Optional[_Specialised] = None
-        self._bind_later = False
+        self._likes = PreparedCall.like(examples, self._names)
+        check_disjoint(self._names, examples)
+        self._sizes = tuple(0 if t is None else t.numel() * t.element_size() for t in examples)
+        self._by_alignment: Dict[tuple, Optional[_Specialised]] = {}
+        self._direct, self._pointers, self._others = False, (), ()
+        self._last: Optional[tuple] = None  # (addresses, direct launch, values) of the last direct launch
         if first.launch is not None:
             plan, _, args, _ = first.launch
-            self._bind_later = _can_launch_directly(plan, args)
+            self._direct = _can_launch_directly(plan, args)
+            self._pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self._others = tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
 
-    def _check(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    @staticmethod
+    def like(tensors: Sequence[Optional[torch.Tensor]], names: Optional[Sequence[str]] = None) -> tuple:
+        """What a prepared call compares of its tensors at every call (see the class docstring)."""
+        names = names or [f"tensors[{i}]" for i in range(len(tensors))]
+        return tuple(like_key(t, name) for t, name in zip(tensors, names))
+
+    def _check(self, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+        """The tensors' addresses (0 for None), after checking that they are like the examples and disjoint."""
         if len(tensors) != len(self._names):
             raise TypeError(f"this prepared call takes {len(self._names)} tensors ({', '.join(self._names)}), got "
                             f"{len(tensors)}")
-        for name, meta, tensor in zip(self._names, self._metas, tensors):
-            got = _meta(tensor, name)
-            if got != meta:
-                raise ValueError(f"{name} is {_describe_meta(got)}; this call was prepared for "
-                                 f"{_describe_meta(meta)}")
+        for name, want, tensor in zip(self._names, self._likes, tensors):
+            got = like_key(tensor, name)
+            if got != want:
+                raise ValueError(f"{name} is {describe_like(got)}; this call was prepared for {describe_like(want)}")
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
         # Like-shaped tensors: each spans the bytes its example did (None, and empty tensors, span none).
-        spans = sorted((t.data_ptr(), size) for t, size in zip(tensors, self._sizes) if size)
+        spans = sorted((address, size) for address, size in zip(addresses, self._sizes) if size)
         for (start, size), (next_start, _) in zip(spans, spans[1:]):
             if next_start < start + size:
-                _check_disjoint(self._names, tensors)  # names the pair
+                check_disjoint(self._names, tensors)  # names the pair
+                raise ValueError(f"two of {', '.join(self._names)} overlap in memory")
+        return addresses
 
-    def _bind(self, plan: Any, kernel: Any, args: tuple, constexprs: dict) -> None:
-        """Compile the direct launch, once, for the specialisation of the arguments seen first."""
-        self._bind_later = False
+    def _specialised(self, plan: Any, kernel: Any, args: tuple, constexprs: dict,
+                     alignment: tuple) -> Optional[_Specialised]:
+        """The direct launch for ``alignment``, compiled at its first call (None: Triton's launcher for it)."""
+        if alignment in self._by_alignment:
+            return self._by_alignment[alignment]
+        if _direct_launch_ok is None and _capturing():
+            return None  # the self-check cannot run inside CUDA graph capture: decide at a later call
         direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
+        specialised = None
         if direct is not None:
-            self._specialised = _Specialised(direct, args, _launcher_values(kernel, args, constexprs))
+            values = _launcher_values(kernel, args, constexprs)
+            direct.values = ()  # it launches with each call's values only
+            specialised = _Specialised(direct, tuple(values[i] for i in self._others), tuple(values[len(args):]))
+        self._by_alignment[alignment] = specialised
+        return specialised
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
-        self._check(tensors)
+        addresses = self._check(tensors)
+        last = self._last
+        if last is not None and last[0] == addresses and not launch_hooks_installed():
+            # The same addresses as the last direct launch: the same values (the rest are the call's sizes and
+            # settings, and the layout's table, which the build holds), so the same launch.
+            last[1].launch_with(last[2])
+            return
         call = self._build(*tensors, checked=False)
         if call.torch_path is not None:
             call.torch_path()
             return
         plan, kernel, args, constexprs = call.launch
-        if self._bind_later and not (_direct_launch_ok is None and _capturing()):
-            self._bind(plan, kernel, args, constexprs)
-        specialised = self._specialised
-        values = specialised.values_for(args) if specialised is not None else None
-        if values is not None and not launch_hooks_installed():
-            specialised.direct.launch_with(values)
-        else:
+        launched = False
+        if self._direct and not launch_hooks_installed():
+            values = [_as_int(a) for a in args]
+            specialised = self._specialised(plan, kernel, args, constexprs,
+                                            tuple(values[i] & 15 == 0 for i in self._pointers))
+            if specialised is not None and tuple(values[i] for i in self._others) == specialised.others:
+                values.extend(specialised.tail)
+                specialised.direct.launch_with(values)
+                if call.after is None:
+                    self._last = (addresses, specialised.direct, values)
+                launched = True
+        if not launched:
             launch(plan, kernel, args, constexprs)
         if call.after is not None:
             call.after()

@@ -248,8 +248,8 @@ def _one_tensor_call(tensor: torch.Tensor, flat: torch.Tensor, scale: float, pac
 
 def prepare_pack(tensor: torch.Tensor, out: torch.Tensor, scale: float = 1.0, *,
                  canonical_nan: bool = True) -> PreparedCall:
-    """Check and compile :func:`pack` of one tensor once for tensors like these; the returned call runs it on the
-    tensors each call passes, ``call(tensor, out)``, with a bound launch's host work and without holding them
+    """Check :func:`pack` of one tensor once for tensors like these; the returned call runs it on the tensors each
+    call passes, ``call(tensor, out)``, with a bound launch's host work and without holding them
     (:class:`~.launch.PreparedCall`: for buffers allocated anew at every call; ``canonical_nan`` as for
     :func:`bind_pack`). The two must not share memory."""
     scale = check_scale(scale)

@@ -81,8 +81,8 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
 
 def prepare_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
                        canonical_nan: bool = True) -> PreparedCall:
-    """Check and compile :func:`sum_slices` once for tensors like these; the returned call runs it on the tensors
-    each call passes, ``call(received, out)``, with a bound launch's host work and without holding them
+    """Check :func:`sum_slices` once for tensors like these; the returned call runs it on the tensors each call
+    passes, ``call(received, out)``, with a bound launch's host work and without holding them
     (:class:`~.launch.PreparedCall`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
     return PreparedCall(lambda rec, o, checked: _sum_slices_call(rec, n_ranks, o, canonical_nan, checked),
                         ("received", "out"), (received, out))

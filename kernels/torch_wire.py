@@ -412,7 +412,7 @@ def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Call
     return call
 
 
-def _row_spans(layout: BlockLayout) -> List[Tuple[int, int, int, int]]:
+def _row_spans(layout: BlockLayout) -> Tuple[Tuple[int, int, int, int], ...]:
     """(first row, end row, first element, end element) of each step of CHUNK_ROWS rows of ``layout``: the
     elements its data rows hold (empty for padding)."""
     return layout.step_spans(CHUNK_ROWS)

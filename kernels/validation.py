@@ -158,3 +158,33 @@ def check_overlap(tensors: Sequence[torch.Tensor], flat: torch.Tensor, what: str
             if b_lo < a_hi:
                 raise ValueError(f"tensors[{a}] and tensors[{b}] overlap in memory; each element needs one writer")
     return False
+
+
+def like_key(tensor: Optional[torch.Tensor], what: str) -> Optional[tuple]:
+    """What a prepared call's checks read of one of its tensors: dtype, shape, device, contiguity and the address
+    modulo 4 (FP8 rows are read as 32-bit words: it keeps the alignment a full check saw); None for None."""
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what} has layout {tensor.layout}; only dense (strided) tensors are supported")
+    return tensor.dtype, tensor.shape, tensor.device, tensor.is_contiguous(), tensor.data_ptr() & 3
+
+
+def describe_like(key: Optional[tuple]) -> str:
+    """A :func:`like_key` in words."""
+    if key is None:
+        return "None"
+    dtype, shape, device, contiguous, address_mod_4 = key
+    return (f"{'' if contiguous else 'non-contiguous '}{_describe(dtype)} of shape {list(shape)} on {device} at an "
+            f"address {address_mod_4} past a multiple of 4")
+
+
+def check_disjoint(names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """ValueError naming two of ``tensors`` that share memory (None and empty tensors share none)."""
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                    for name, t in zip(names, tensors) if t is not None and t.numel() > 0)
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise ValueError(f"{first} and {second} overlap in memory; each must be a buffer of its own")

@@ -103,10 +103,17 @@ def test_bound_wire_launches_take_the_direct_path_and_agree_with_plain_calls():
     assert quantize._direct is not None and reduce._direct is not None and summed._direct is not None
 
 
-def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch():
-    """Prepared once, run on new buffers at every call (as FSDP hands them): the plain calls' bits on those buffers;
-    a source 4 bytes past a 16-byte boundary goes through Triton's launcher, with the same bits."""
+def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkeypatch):
+    """Prepared once, run on new buffers at every call (as FSDP hands them): the plain calls' bits on those buffers,
+    every launch a direct one; a source 4 bytes past a 16-byte boundary is compiled for once, with the same bits."""
+    import importlib
+
     from ddp_triton import kernels
+
+    launch_module = importlib.import_module("ddp_triton.kernels.launch")
+    direct, real_launch_with = [], launch_module._DirectLaunch.launch_with
+    monkeypatch.setattr(launch_module._DirectLaunch, "launch_with",
+                        lambda self, values: direct.append(1) or real_launch_with(self, values))
 
     sizes, ranks, per_row = [1000, 129, 3, 70000], 3, fp8.ROW_BYTES
     layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
@@ -126,9 +133,11 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch():
         got, want = buffers(seed), buffers(seed)
         if seed == 3:
             got["src"] = torch.cat([torch.zeros(1, device="cuda"), got["src"]])[1:]
+        before = len(direct)
         quantize(got["src"], got["rows"], got["res"])
         add(got["rows"], got["sum"])
         pack(got["src"], got["packed"])
+        assert len(direct) == before + 3
         kernels.quantize_blocks(want["src"], layout, want["rows"], 0.25, residual=want["res"])
         kernels.sum_blocks(want["rows"], ranks, row_layout, want["sum"])
         kernels.pack([want["src"]], want["packed"], 0.25)
@@ -136,7 +145,7 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch():
         assert torch.equal(got["rows"], want["rows"])
         for name in ("res", "sum", "packed"):
             assert_same_bits(got[name], want[name])
-    assert all(call._specialised is not None for call in (quantize, add, pack))
+    assert [len(call._by_alignment) for call in (quantize, add, pack)] == [2, 1, 2]
 
 
 @pytest.mark.parametrize("options", [dict(comm_dtype=torch.float8_e4m3fn),

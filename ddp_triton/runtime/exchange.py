@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
+from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 from .wire import WireFormat
 
@@ -332,43 +333,68 @@ def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: 
     return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
 
 
-def float32_sum_buffers(n: int, world_size: int, dtype: torch.dtype,
-                        device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, recv, shard) of a float32-sum exchange of ``n`` elements in ``dtype``: whole shards, the all-to-all
-    splitting the buffer evenly, the padding past ``n`` zero."""
-    padded = -(-n // world_size) * world_size
-    send = torch.zeros(padded, dtype=dtype, device=device)
-    return send, torch.empty_like(send), torch.empty(padded // world_size, dtype=dtype, device=device)
-
-
-def block_fp8_buffers(layout: BlockLayout, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, recv, shard) of a block-scaled FP8 exchange of ``layout``'s rows."""
-    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
-    return send, torch.empty_like(send), torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8,
-                                                     device=device)
+def _kernel(prepared: Optional[PreparedCalls], what: tuple, bind: Callable[..., Callable[[], None]],
+            prepare: Callable[..., kernels.PreparedCall], *tensors: Optional[torch.Tensor]) -> Callable[[], None]:
+    """One kernel of an exchange: ``bind(*tensors)``, a launch bound to the exchange's buffers (a DDP bucket keeps
+    them); or, with ``prepared`` (an FSDP group, whose buffers are new at every step), its call ``what`` kept
+    prepared there (``prepare``) and run on these."""
+    if prepared is None:
+        return bind(*tensors)
+    return prepared.later(what, prepare, *tensors)
 
 
 def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, world_size: int,
-                         pre_scale: float, post_scale: float, stats: Optional[torch.Tensor]) -> ShardedExchange:
-    """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack."""
-    n = buffer.numel()
-    send, recv, shard = float32_sum_buffers(n, world_size, wire.comm_dtype, buffer.device)
-    pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)  # NaN bits: see bucket.py
-    unpack = kernels.bind_unpack(send[:n], [buffer], post_scale, stats=stats, canonical_nan=False)
-    return ShardedExchange(buffer, group, send, recv, shard, pack,
-                           kernels.bind_sum_slices(recv, world_size, shard, canonical_nan=False), unpack)
+                         pre_scale: float, post_scale: float, stats: Optional[torch.Tensor],
+                         prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
+    """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack. With
+    ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
+    if prepared is not None and stats is not None:
+        raise ValueError("an exchange through prepared calls takes no statistics")
+    n, dtype = buffer.numel(), wire.comm_dtype
+    padded = -(-n // world_size) * world_size  # whole shards: the all-to-all splits the buffer evenly
+    send = torch.zeros(padded, dtype=dtype, device=buffer.device)  # the tail stays zero
+    recv = torch.empty_like(send)
+    shard = torch.empty(padded // world_size, dtype=dtype, device=buffer.device)
+    # NaN bits are the arithmetic's (canonical_nan=False): see bucket.py
+    pack = _kernel(prepared, ("pack", pre_scale, "any NaN"),
+                   lambda t, o: kernels.bind_pack([t], o, pre_scale, canonical_nan=False),
+                   lambda t, o: kernels.prepare_pack(t, o, pre_scale, canonical_nan=False), buffer, send[:n])
+    add = _kernel(prepared, ("sum_slices", world_size, "any NaN"),
+                  lambda r, o: kernels.bind_sum_slices(r, world_size, o, canonical_nan=False),
+                  lambda r, o: kernels.prepare_sum_slices(r, world_size, o, canonical_nan=False), recv, shard)
+    unpack = _kernel(prepared, ("unpack", post_scale, "any NaN"),
+                     lambda f, t: kernels.bind_unpack(f, [t], post_scale, stats=stats, canonical_nan=False),
+                     lambda f, t: kernels.prepare_unpack(f, t, post_scale, canonical_nan=False), send[:n], buffer)
+    return ShardedExchange(buffer, group, send, recv, shard, pack, add, unpack)
 
 
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
-                       pre_scale: float, residuals: Optional[LayoutResiduals],
-                       stats: Optional[torch.Tensor]) -> ShardedExchange:
+                       pre_scale: float, residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor],
+                       prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
     """Block-scaled FP8: quantize (with error feedback), all-to-all, float32 sum and requantize, all-gather,
-    dequantize."""
-    send, recv, shard = block_fp8_buffers(layout, buffer.device)
-    fmt = wire.comm_dtype
+    dequantize. With ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
+    if prepared is not None and stats is not None:
+        raise ValueError("an exchange through prepared calls takes no statistics")
+    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
+    recv = torch.empty_like(send)
+    shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
+    fmt, sizes = wire.comm_dtype, layout.sizes
     first = residuals.first if residuals is not None else None
     second = residuals.second if residuals is not None else None
-    quantize = kernels.bind_quantize_blocks(buffer, layout, send, pre_scale, fmt=fmt, residual=first)
-    reduce = kernels.bind_reduce_blocks(recv, world_size, shard, fmt=fmt, residual=second)
-    dequantize = kernels.bind_dequantize_blocks(send, layout, buffer, fmt=fmt, stats=stats, canonical_nan=False)
+    quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
+                       lambda b, rows, left: kernels.bind_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
+                                                                          residual=left),
+                       lambda b, rows, left: kernels.prepare_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
+                                                                             residual=left),
+                       buffer, send, first)
+    reduce = _kernel(prepared, ("reduce", world_size, fmt),
+                     lambda r, o, left: kernels.bind_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
+                     lambda r, o, left: kernels.prepare_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
+                     recv, shard, second)
+    dequantize = _kernel(prepared, ("dequantize", sizes, layout.n_shards, fmt),
+                         lambda rows, b: kernels.bind_dequantize_blocks(rows, layout, b, fmt=fmt, stats=stats,
+                                                                        canonical_nan=False),
+                         lambda rows, b: kernels.prepare_dequantize_blocks(rows, layout, b, fmt=fmt,
+                                                                           canonical_nan=False),
+                         send, buffer)
     return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)

@@ -39,14 +39,14 @@ The replica hop takes FP8 too (``replicate_comm_dtype``, error feedback on by de
 the shard over the replicas, its blocks following the parameters' chunks, both roundings fed back
 (``ReplicaAverage``); its residuals are checkpointed by module name with the rest.
 
-What is bound once per FSDP group (``GroupKernels``): its FP8 block tables (each parameter's chunk cut into blocks,
-per row and for the whole input; on the device once), built at the group's first reduce-scatter and reused while
-its parameters' chunks and rank count stay what they were (checked at every call; a change builds them anew), and
-its kernel calls, each checked and compiled at the group's first call of its kind (``kernels.prepare_*``). FSDP
-allocates a reduce-scatter's input and output at every step (the output becomes the sharded gradient), so the
-calls are bound to the group, not to buffers: each call runs on that step's buffers, which must be like the first
-call's (shapes, dtypes, device; compared at every call), and on a GPU its compiled launcher takes their addresses
-directly, without Triton's per-call argument handling. Nothing of a step's buffers is held after it.
+What is bound once per FSDP group: its FP8 block tables (each parameter's chunk cut into blocks, per row and for the
+whole input; on the device once), built at the group's first reduce-scatter and reused while its parameters'
+chunks and rank count stay what they were (checked at every call; a change builds them anew), and its kernel calls
+(``PreparedCalls``), each checked at the group's first call of its kind and shapes (``kernels.prepare_*``; other
+shapes prepare another). FSDP allocates a reduce-scatter's input and output at every step (the output becomes the
+sharded gradient), so the calls are bound to the group, not to buffers: each runs on that step's buffers, and on a
+GPU its compiled launcher takes their addresses directly, without Triton's per-call argument handling. Nothing of a
+step's buffers is held after it.
 
 Not here yet: the distributed checkpoint's planner for the residuals.
 """
@@ -54,7 +54,7 @@ Not here yet: the distributed checkpoint's planner for the residuals.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,8 @@ from .. import kernels
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
-from .exchange import ShardedExchange, block_fp8_buffers, float32_sum_buffers
+from .exchange import block_fp8_exchange, float32_sum_exchange
+from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 from .wire import WireFormat, resolve_wire_format
 
@@ -86,34 +87,6 @@ def cached_layout(sizes: Tuple[int, ...], n_shards: int, cached: Optional[BlockL
     return kernels.block_layout(sizes, n_shards)
 
 
-def _tensor_key(tensor: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What a prepared call was prepared for, of one tensor (``kernels.PreparedCall`` compares it at every call)."""
-    if tensor is None:
-        return None
-    return tuple(tensor.shape), tensor.dtype, tensor.device, tensor.is_contiguous(), tensor.data_ptr() % 4
-
-
-class GroupKernels:
-    """One FSDP group's kernel calls, each prepared (checked, planned, compiled: ``kernels.prepare_*``) at the
-    group's first call of its kind and shapes, and run on each later call's buffers: FSDP hands new buffers at every
-    step, so the launches are bound to the group, not to its buffers, and nothing of a step is held after it."""
-
-    def __init__(self) -> None:
-        self._calls: Dict[tuple, kernels.PreparedCall] = {}
-        self.prepared = 0
-        """Calls prepared so far: each kind of call once per group while its shapes stay."""
-
-    def run(self, what: tuple, prepare: Callable[..., kernels.PreparedCall], *tensors: Optional[torch.Tensor]) -> None:
-        """Run the call ``what`` names (its kind and every value it was prepared with: scale, layout sizes, ranks)
-        on ``tensors``, prepared by ``prepare(*tensors)`` where this group has none for them yet."""
-        key = (what, tuple(map(_tensor_key, tensors)))
-        call = self._calls.get(key)
-        if call is None:
-            call = self._calls[key] = prepare(*tensors)
-            self.prepared += 1
-        call(*tensors)
-
-
 class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP2's reduce-scatter of one FSDP module's gradients in ``wire``."""
 
@@ -130,7 +103,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         self.residual: Optional[torch.Tensor] = None
         """FP8 with error feedback: float32, what this rank's rounding left out of each element of its input, in
         FSDP's input layout (rank-major rows of the parameters' chunks); None until the first reduce-scatter."""
-        self.kernels = GroupKernels()
+        self.kernels = PreparedCalls()
         """The group's kernel calls, prepared at its first reduce-scatter and run on each one's buffers."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -156,14 +129,12 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if wire.sharded:  # all-to-all, then the float32 sum of the N copies of this rank's rows
             received = torch.empty_like(send)
             dist.all_to_all_single(received, send, group=group)
-            def sum_slices(received: torch.Tensor, out: torch.Tensor) -> kernels.PreparedCall:
-                return kernels.prepare_sum_slices(received, n, out)
-
-            if output_tensor.dtype == torch.float32 or (output_tensor.dtype == wire.comm_dtype and post == 1.0):
-                run(("sum_slices", n), sum_slices, received, output_tensor)
-            else:  # the float32 sum, scaled, then one rounding into the reduce dtype
-                total = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
-                run(("sum_slices", n), sum_slices, received, total)
+            unscaled = output_tensor.dtype == torch.float32 or (output_tensor.dtype == wire.comm_dtype and post == 1.0)
+            # else the float32 sum, scaled, then one rounding into the reduce dtype
+            total = output_tensor if unscaled else torch.empty(output_tensor.numel(), dtype=torch.float32,
+                                                               device=output_tensor.device)
+            run(("sum_slices", n), lambda rows, out: kernels.prepare_sum_slices(rows, n, out), received, total)
+            if not unscaled:
                 output_tensor.copy_(total.mul_(post))
                 return None
         else:  # the reduce-scatter itself in the 16-bit dtype
@@ -255,7 +226,7 @@ class ReplicaAverage:
         """FP8 with error feedback: this rank's residuals of the replica hop; None until its first shard."""
         self.layout: Optional[BlockLayout] = None
         """FP8: the shard's blocks over the replicas, from the first shard on."""
-        self.kernels = GroupKernels()
+        self.kernels = PreparedCalls()
         """The hop's kernel calls, prepared at its first shard and run on each one's buffers."""
 
     def __call__(self, shard: torch.Tensor) -> None:
@@ -272,29 +243,16 @@ class ReplicaAverage:
         if wire.block_scaled:
             _run(self._fp8_exchange(flat))
             return
-        run = self.kernels.run
         if wire.sharded and not wire.one_all_reduce(r):  # DDP's bucket exchange, run to its end here
-            _run(self._float32_sum_exchange(flat, pre, post))
+            _run(float32_sum_exchange(flat, wire, self.group, r, pre, post, None, prepared=self.kernels))
             return
         sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)
+        run = self.kernels.run
         run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), flat, sent)
         dist.all_reduce(sent, group=self.group)
         run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), sent, flat)
 
-    def _float32_sum_exchange(self, flat: torch.Tensor, pre: float, post: float) -> ShardedExchange:
-        """DDP's bucket exchange of 16 bits with float32 sums over the replicas (NaN bits as there: the sums')."""
-        n, r, run = flat.numel(), self.replicas, self.kernels.run
-        send, recv, summed = float32_sum_buffers(n, r, self.wire.comm_dtype, flat.device)
-        return ShardedExchange(
-            flat, self.group, send, recv, summed,
-            functools.partial(run, ("pack", pre, "any NaN"), functools.partial(
-                kernels.prepare_pack, scale=pre, canonical_nan=False), flat, send[:n]),
-            functools.partial(run, ("sum_slices", r), lambda received, out: kernels.prepare_sum_slices(
-                received, r, out, canonical_nan=False), recv, summed),
-            functools.partial(run, ("unpack", post, "any NaN"), functools.partial(
-                kernels.prepare_unpack, scale=post, canonical_nan=False), send[:n], flat))
-
-    def _fp8_exchange(self, flat: torch.Tensor) -> ShardedExchange:
+    def _fp8_exchange(self, flat: torch.Tensor) -> Any:
         sizes = tuple(self.comm.chunk_sizes())
         if sum(sizes) != flat.numel():
             raise RuntimeError(f"the shard FSDP hands the replica hop has {flat.numel()} elements; its parameters' "
@@ -304,22 +262,9 @@ class ReplicaAverage:
             if self.residuals is None or self.residuals.sizes != sizes:
                 self.residuals = self.new_residuals(flat.device)
             residuals = self.residuals
-        layout = self.layout = cached_layout(sizes, self.replicas, self.layout)
-        first = residuals.first if residuals is not None else None
-        second = residuals.second if residuals is not None else None
-        send, recv, shard = block_fp8_buffers(layout, flat.device)
-        r, fmt, run, scale = self.replicas, self.wire.comm_dtype, self.kernels.run, 1.0 / self.replicas
-        return ShardedExchange(
-            flat, self.group, send, recv, shard,
-            functools.partial(run, ("quantize", sizes, r, scale, fmt), lambda src, rows, left:
-                              kernels.prepare_quantize_blocks(src, layout, rows, scale, fmt=fmt, residual=left),
-                              flat, send, first),
-            functools.partial(run, ("reduce", sizes, r, fmt), lambda received, out, left:
-                              kernels.prepare_reduce_blocks(received, r, out, fmt=fmt, residual=left),
-                              recv, shard, second),
-            functools.partial(run, ("dequantize", sizes, r, fmt), lambda rows, dst:
-                              kernels.prepare_dequantize_blocks(rows, layout, dst, fmt=fmt, canonical_nan=False),
-                              send, flat))
+        self.layout = cached_layout(sizes, self.replicas, self.layout)
+        return block_fp8_exchange(flat, self.wire, self.layout, self.group, self.replicas, 1.0 / self.replicas,
+                                  residuals, None, prepared=self.kernels)
 
     def new_residuals(self, device: torch.device) -> LayoutResiduals:
         """Zero residuals for this FSDP group's shard, on ``device``."""

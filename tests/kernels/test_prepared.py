@@ -131,10 +131,35 @@ def test_a_call_unlike_its_examples_is_refused_by_name_before_anything_is_writte
     ]
     if name == "quantize":
         wrong.append(((given[0], given[1], None), r"residual is None; this call was prepared for float32"))
+        off_by_one = torch.empty(given[1].numel() + 1, dtype=torch.uint8)[1:]  # FP8 rows are 32-bit words
+        wrong.append(((given[0], off_by_one, given[2]), r"rows is uint8 .* at an address 1 past a multiple of 4; "
+                                                        r"this call was prepared for uint8 .* at an address 0"))
     for tensors_given, message in wrong:
         with pytest.raises((ValueError, TypeError), match=message):
             call(*tensors_given)
     _assert_same(given, before)
+
+
+@pytest.mark.parametrize("name", ["pack", "sum_slices"])
+def test_nans_left_as_the_arithmetic_makes_them_as_the_bound_form_leaves_them(name, path):
+    """canonical_nan=False (the sharded exchanges' choice): the prepared call gives the bound call's bits, NaN
+    payloads and signs included, on either path."""
+    values = _values(N_RANKS * 500, 3)
+    values[::7] = float("nan")
+    values[3::11] = -float("nan")
+    values.view(torch.int32)[5::13] = 0x7F800001  # a signalling NaN's payload
+    if name == "pack":
+        src, got = values, torch.empty(values.numel(), dtype=torch.bfloat16)
+        want = torch.empty_like(got)
+        kernels.prepare_pack(src, got, 0.5, canonical_nan=False)(src, got)
+        kernels.bind_pack([src], want, 0.5, canonical_nan=False)()
+    else:
+        src, got = values.to(torch.bfloat16), torch.empty(500, dtype=torch.bfloat16)
+        want = torch.empty_like(got)
+        kernels.prepare_sum_slices(src, N_RANKS, got, canonical_nan=False)(src, got)
+        kernels.bind_sum_slices(src, N_RANKS, want, canonical_nan=False)()
+    assert torch.isnan(got).any()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_tensors_that_share_memory_are_refused():
@@ -161,29 +186,30 @@ def test_preparing_checks_as_a_plain_call_does():
 
 
 class _Recorder:
-    """Stands for the compiled launcher of a direct launch: records the argument values of every launch."""
+    """Stands for compiling a kernel and for its launcher: records which arguments each compile was for and the
+    argument values of every launch, by compile."""
 
     def __init__(self):
-        self.launches = []
+        self.compiled = []  # the launcher values of the arguments each compile was for
+        self.launches = []  # (compile index, values)
 
-    def direct(self, plan, kernel, args, constexprs, device):
-        values = launch_module._launcher_values(kernel, args, constexprs)
-        direct = launch_module._DirectLaunch(None, self.run, 0, None, plan.n_items, 0, values)
+    def compile(self, plan, kernel, args, constexprs, device):
+        index = len(self.compiled)
+        self.compiled.append(tuple(launch_module._launcher_values(kernel, args, constexprs)))
+        direct = launch_module._DirectLaunch(None, lambda *a: self.launches.append((index, a[9:])), 0, None,
+                                             plan.n_items, 0, self.compiled[-1])
         direct.current_device, direct.current_stream = int, abs  # C builtins: device 0, stream 0
         return direct
-
-    def run(self, *arguments):
-        self.launches.append(arguments[9:])  # after grid, stream, function, metadata and the hook slots
 
 
 @pytest.fixture
 def stubbed_cuda(monkeypatch):
-    """CPU tensors take the direct launch a CUDA device would: its compiled launcher records instead of running;
-    Triton's own launcher (the fallback) records too, and runs the kernel in the interpreter."""
+    """CPU tensors take the path a CUDA device would, down to compiling: the compile and its launcher record
+    instead of running; Triton's own launcher (the fallback) records too, and runs the kernel in the interpreter."""
     recorder = _Recorder()
     fallbacks = []
     monkeypatch.setattr(launch_module, "_can_launch_directly", lambda plan, args: plan.n_items > 0)
-    monkeypatch.setattr(launch_module, "_bind_direct", recorder.direct)
+    monkeypatch.setattr(launch_module, "_compile_direct", recorder.compile)
     monkeypatch.setattr(launch_module, "_direct_launch_ok", True)  # its self-check passed (it needs a GPU)
     real_launch = launch_module.launch
 
@@ -195,54 +221,100 @@ def stubbed_cuda(monkeypatch):
     return recorder, fallbacks
 
 
+BUILDS = {  # each case's plain KernelCall, checked, for the given tensors
+    "pack": lambda t, o: pack_module._one_tensor_call(t, o, 0.25, True, True, True),
+    "unpack": lambda f, t: pack_module._one_tensor_call(t, f, 3.0, False, True, True),
+    "sum_slices": lambda rec, out: slices._sum_slices_call(rec, N_RANKS, out),
+    "quantize": lambda src, rows, res: blockscale._quantize_call(src, LAYOUT, rows, 0.5, FMT, res),
+    "reduce": lambda rec, out, res: blockscale._reduce_call(rec, N_RANKS, out, FMT, res),
+    "dequantize": lambda rows, dst: blockscale._dequantize_call(rows, ROW_LAYOUT, dst, FMT, None),
+    "sum_blocks": lambda rec, out: blockscale._sum_blocks_call(rec, N_RANKS, ROW_LAYOUT, out, FMT),
+}
+
+
 def _expected_values(name, tensors):
     """What a direct launch bound to ``tensors`` holds: the launcher values of the plain call's kernel arguments."""
-    builds = {
-        "quantize": lambda src, rows, res: blockscale._quantize_call(src, LAYOUT, rows, 0.5, FMT, res),
-        "sum_blocks": lambda rec, out: blockscale._sum_blocks_call(rec, N_RANKS, ROW_LAYOUT, out, FMT),
-        "sum_slices": lambda rec, out: slices._sum_slices_call(rec, N_RANKS, out),
-        "pack": lambda t, o: pack_module._one_tensor_call(t, o, 0.25, True, True, True),
-    }
-    _, kernel, args, constexprs = builds[name](*tensors).launch
+    _, kernel, args, constexprs = BUILDS[name](*tensors).launch
     return tuple(launch_module._launcher_values(kernel, args, constexprs))
 
 
-@pytest.mark.parametrize("name", ["quantize", "sum_blocks", "sum_slices", "pack"])
-def test_direct_launch_takes_each_calls_addresses(name, stubbed_cuda):
+@pytest.mark.parametrize("name", list(CASES) + ["reduce without residual"])
+def test_direct_launch_takes_each_calls_addresses_compiled_once(name, stubbed_cuda):
     recorder, fallbacks = stubbed_cuda
-    prepare, tensors, _ = CASES[name]
+    prepare, tensors, _ = CASES[name.split()[0]]
+    if name == "reduce without residual":
+        tensors = (lambda make: lambda s: make(s)[:2] + (None,))(tensors)
     call = prepare(*tensors(0))
     calls = [tensors(seed) for seed in (1, 2, 3)]
     fallbacks.clear()  # making FP8 rows to sum launched the quantize kernel
     for given in calls:
         call(*given)
-    assert fallbacks == []
-    assert recorder.launches == [_expected_values(name, given) for given in calls]
-    first, second = recorder.launches[:2]
-    assert first != second  # new addresses: the launcher was not handed the first call's
+    assert fallbacks == [] and len(recorder.compiled) == 1
+    assert recorder.launches == [(0, _expected_values(name.split()[0], given)) for given in calls]
+    assert recorder.launches[0] != recorder.launches[1]  # new addresses: not the first call's
 
 
-def test_a_pointer_triton_would_specialise_otherwise_goes_through_tritons_launcher(stubbed_cuda):
+def test_each_alignment_is_compiled_once_at_its_first_call(stubbed_cuda):
     recorder, fallbacks = stubbed_cuda
     prepare, tensors, _ = CASES["pack"]
-    call = prepare(*tensors(0))
     src, out = tensors(1)
-    call(src, out)
-    assert len(recorder.launches) == 1 and src.data_ptr() % 16 == 0
     shifted = torch.cat([torch.zeros(1), src])[1:]  # the same values, 4 bytes past a 16-byte boundary
-    want = shifted.mul(0.25).to(torch.bfloat16)  # pack's definition (no NaN here)
-    out.fill_(0)
-    call(shifted, out)
-    assert len(recorder.launches) == 1 and len(fallbacks) == 1  # not the direct launch compiled for aligned data
-    assert_same_bits(out, want)
-    call(src, out)
-    assert len(recorder.launches) == 2
+    assert src.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 4
+    call = prepare(*tensors(0))
+    order = (shifted, src, shifted, src)  # the first call unaligned: the aligned one is compiled later
+    for given in order:
+        call(given, out)
+    assert fallbacks == [] and [index for index, _ in recorder.launches] == [0, 1, 0, 1]
+    assert [values for _, values in recorder.launches] == [_expected_values("pack", (t, out)) for t in order]
+    assert recorder.compiled[0][0] % 16 == 4 and recorder.compiled[1][0] % 16 == 0
 
 
-def test_a_launch_hook_sees_every_prepared_launch(stubbed_cuda, monkeypatch):
+def test_an_int_triton_makes_a_constant_goes_through_tritons_launcher(stubbed_cuda):
+    recorder, fallbacks = stubbed_cuda
+    received, out = _values(500, 0), _unwritten(500)
+    call = kernels.prepare_sum_slices(received, 1, out)  # one rank: an int 1 among the arguments
+    for _ in range(2):
+        call(received, out)
+        assert_same_bits(out, received)
+    assert recorder.compiled == [] and len(fallbacks) == 2
+
+
+@pytest.mark.parametrize("why", ["a launch hook listens", "the direct launch failed its self-check"])
+def test_tritons_launcher_where_the_direct_launch_must_not_be_used(stubbed_cuda, monkeypatch, why):
     recorder, fallbacks = stubbed_cuda
     prepare, tensors, _ = CASES["sum_slices"]
     call = prepare(*tensors(0))
-    monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: True)
+    if why == "a launch hook listens":
+        monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: True)
+    else:
+        monkeypatch.setattr(launch_module, "_direct_launch_ok", False)
     call(*tensors(1))
-    assert recorder.launches == [] and len(fallbacks) == 1
+    call(*tensors(2))
+    assert recorder.launches == [] and len(fallbacks) == 2
+
+
+def test_a_compiled_launch_of_a_prepared_call_holds_no_past_addresses(stubbed_cuda):
+    recorder, _ = stubbed_cuda
+    prepare, tensors, _ = CASES["sum_blocks"]
+    call = prepare(*tensors(0))
+    call(*tensors(1))
+    (specialised,) = call._by_alignment.values()
+    assert specialised.direct.values == ()  # launching it bare would launch nothing with a freed buffer's address
+
+
+def test_a_repeat_call_at_the_same_addresses_relaunches_without_building_its_arguments(stubbed_cuda, monkeypatch):
+    recorder, fallbacks = stubbed_cuda
+    prepare, tensors, _ = CASES["quantize"]
+    call = prepare(*tensors(0))
+    first, second = tensors(1), tensors(2)
+    builds = []
+    real_build = call._build
+    call._build = lambda *a, **k: builds.append(1) or real_build(*a, **k)
+    for given in (first, first, second, first, first):
+        call(*given)
+    assert len(builds) == 3 and fallbacks == []  # a build for each change of addresses only
+    assert recorder.launches == [(0, _expected_values("quantize", given))
+                                 for given in (first, first, second, first, first)]
+    monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: True)
+    call(*first)
+    assert len(fallbacks) == 1 and len(recorder.launches) == 5  # a profiler sees Triton's launcher, as always

@@ -372,9 +372,9 @@ def test_a_group_s_block_layout_is_reused_while_its_chunks_and_ranks_stay():
 
 
 def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffers():
-    from ddp_triton.runtime.fsdp import GroupKernels
+    from ddp_triton.runtime.prepared_calls import PreparedCalls
 
-    group, prepared_for = GroupKernels(), []
+    group, prepared_for = PreparedCalls(), []
 
     def prepare(tensor, out):
         prepared_for.append(tensor.numel())
@@ -387,6 +387,11 @@ def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffe
     assert prepared_for == [100, 64] and group.prepared == 2
     group.run(("pack", 0.5), prepare, torch.randn(100), torch.empty(100))  # another dtype: prepared for it
     assert group.prepared == 3
+    from ddp_triton.runtime import prepared_calls
+
+    for n in range(1, 2 * prepared_calls.CAPACITY):  # shapes that keep changing: the least recently used go
+        group.run(("pack", 0.5), prepare, torch.randn(n), torch.empty(n))
+    assert len(group._calls) == prepared_calls.CAPACITY
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
