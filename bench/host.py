@@ -149,7 +149,8 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
         ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
         ("bound_fp8", "bound FP8 quantize launch (wire formats), bind_quantize_blocks(...)()", bound_fp8, 5000),
     ]
-    rows += fsdp_group_calls(CPU)
+    rows += [(key, what + (" (+ Triton's launcher, stubbed whole)" if key == "fsdp_fp8_plain" else ""), fn, 2000)
+             for key, what, fn, _ in fsdp_group_calls(CPU)]
     if hook_fn is not None:
         rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
     return rows + [

@@ -364,14 +364,17 @@ class PreparedCall:
         names = names or [f"tensors[{i}]" for i in range(len(tensors))]
         return tuple(like_key(t, name) for t, name in zip(tensors, names))
 
-    def _check(self, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
-        """The tensors' addresses (0 for None), after checking that they are like the examples and disjoint."""
+    def _check(self, tensors: Sequence[Optional[torch.Tensor]], unlike_ok: bool = False) -> Optional[tuple]:
+        """The tensors' addresses (0 for None), after checking that they are like the examples (else a ValueError,
+        or None with ``unlike_ok``) and disjoint."""
         if len(tensors) != len(self._names):
             raise TypeError(f"this prepared call takes {len(self._names)} tensors ({', '.join(self._names)}), got "
                             f"{len(tensors)}")
         for name, want, tensor in zip(self._names, self._likes, tensors):
             got = like_key(tensor, name)
             if got != want:
+                if unlike_ok:
+                    return None
                 raise ValueError(f"{name} is {describe_like(got)}; this call was prepared for {describe_like(want)}")
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
         # Like-shaped tensors: each spans the bytes its example did (None, and empty tensors, span none).
@@ -399,7 +402,18 @@ class PreparedCall:
         return specialised
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
-        addresses = self._check(tensors)
+        self._run(tensors, self._check(tensors))
+
+    def run_if_like(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Run on ``tensors`` and return True if they are like the examples; return False, running nothing, if they
+        are not (for a caller that keeps calls for several shapes). Other problems raise as a call does."""
+        addresses = self._check(tensors, unlike_ok=True)
+        if addresses is None:
+            return False
+        self._run(tensors, addresses)
+        return True
+
+    def _run(self, tensors: Sequence[Optional[torch.Tensor]], addresses: tuple) -> None:
         last = self._last
         if last is not None and last[0] == addresses and not launch_hooks_installed():
             # The same addresses as the last direct launch: the same values (the rest are the call's sizes and

@@ -111,6 +111,7 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkey
     from ddp_triton import kernels
 
     launch_module = importlib.import_module("ddp_triton.kernels.launch")
+    assert launch_module._direct_launch_available(torch.device("cuda"))  # its self-check launches too: run it first
     direct, real_launch_with = [], launch_module._DirectLaunch.launch_with
     monkeypatch.setattr(launch_module._DirectLaunch, "launch_with",
                         lambda self, values: direct.append(1) or real_launch_with(self, values))
@@ -129,12 +130,12 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkey
     quantize = kernels.prepare_quantize_blocks(first["src"], layout, first["rows"], 0.25, residual=first["res"])
     add = kernels.prepare_sum_blocks(first["rows"], ranks, row_layout, first["sum"])
     pack = kernels.prepare_pack(first["src"], first["packed"], 0.25)
-    for seed in (1, 2, 3):
-        got, want = buffers(seed), buffers(seed)
-        if seed == 3:
-            got["src"] = torch.cat([torch.zeros(1, device="cuda"), got["src"]])[1:]
+    calls = [(buffers(seed), buffers(seed)) for seed in (1, 2, 3)]
+    calls[-1][0]["src"] = torch.cat([torch.zeros(1, device="cuda"), calls[-1][0]["src"]])[1:]  # 4 bytes past 16
+    calls.append(calls[-1])  # the same buffers again: a relaunch of the last call's values
+    for got, want in calls:
         before = len(direct)
-        quantize(got["src"], got["rows"], got["res"])
+        quantize(got["src"], got["rows"], got["res"])  # the residual carried: a repeat must update it again
         add(got["rows"], got["sum"])
         pack(got["src"], got["packed"])
         assert len(direct) == before + 3

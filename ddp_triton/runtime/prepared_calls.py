@@ -9,16 +9,16 @@ compiled once per alignment, and runs on the tensors each call passes, holding n
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from .. import kernels
 from ..kernels.lru import LRU
 
-#: Prepared calls one owner keeps: a few kinds of call, each for the shapes of its buffers (new shapes, say after a
-#: change of a group's parameters, prepare anew; the least recently used go).
-CAPACITY = 16
+#: Kinds of call one owner keeps (a kind: its name and settings), and calls per kind (one for each shape of its
+#: buffers, as after a change of a group's parameters); the least recently used go.
+KINDS, SHAPES_PER_KIND = 16, 4
 
 
 class PreparedCalls:
@@ -26,19 +26,26 @@ class PreparedCalls:
     settings and tensor shapes, and run on every later call's own tensors."""
 
     def __init__(self) -> None:
-        self._calls: LRU[kernels.PreparedCall] = LRU(CAPACITY)
+        self._calls: LRU[List[kernels.PreparedCall]] = LRU(KINDS)
         self.prepared = 0
         """Calls prepared so far: each kind of call once while its settings and shapes stay."""
 
     def run(self, what: tuple, prepare: Callable[..., kernels.PreparedCall], *tensors: Optional[torch.Tensor]) -> None:
         """Run the call ``what`` names (its kind and every value it was prepared with: scale, layout sizes, ranks)
         on ``tensors``, prepared by ``prepare(*tensors)`` where none is kept for tensors like them."""
-        key = (what, kernels.PreparedCall.like(tensors))
-        call = self._calls.get(key)
-        if call is None:
-            call = prepare(*tensors)
-            self._calls.put(key, call)
-            self.prepared += 1
+        calls = self._calls.get(what)
+        if calls is None:
+            calls = []
+            self._calls.put(what, calls)
+        for i, call in enumerate(calls):
+            if call.run_if_like(tensors):  # compares the tensors with the call's examples once
+                if i:
+                    calls.insert(0, calls.pop(i))
+                return
+        call = prepare(*tensors)
+        calls.insert(0, call)
+        del calls[SHAPES_PER_KIND:]
+        self.prepared += 1
         call(*tensors)
 
     def later(self, what: tuple, prepare: Callable[..., kernels.PreparedCall],

@@ -117,7 +117,7 @@ def test_step_spans_are_the_element_ranges_of_each_steps_rows(sizes, n_shards):
             data = [(start, length) for start, length in table[r0:r0 + step_rows] if length]
             span = (data[0][0], data[-1][0] + data[-1][1]) if data else (layout.n_elements,) * 2
             want.append((r0, min(r0 + step_rows, layout.n_rows)) + span)
-        assert layout.step_spans(step_rows) == want
+        assert layout.step_spans(step_rows) == tuple(want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -141,9 +141,12 @@ def test_a_call_unlike_its_examples_is_refused_by_name_before_anything_is_writte
 
 
 @pytest.mark.parametrize("name", ["pack", "sum_slices"])
-def test_nans_left_as_the_arithmetic_makes_them_as_the_bound_form_leaves_them(name, path):
-    """canonical_nan=False (the sharded exchanges' choice): the prepared call gives the bound call's bits, NaN
-    payloads and signs included, on either path."""
+def test_nans_left_as_the_arithmetic_makes_them_as_the_bound_form_leaves_them(name, monkeypatch):
+    """canonical_nan=False (the sharded exchanges' choice) on the torch path, where it differs from canonical NaNs
+    (the kernels always write canonical ones): the prepared call gives the bound call's bits, NaN payloads and signs
+    included."""
+    for module in (pack_module, blockscale, slices):
+        monkeypatch.setattr(module, "uses_triton", lambda device: False)
     values = _values(N_RANKS * 500, 3)
     values[::7] = float("nan")
     values[3::11] = -float("nan")
@@ -158,7 +161,12 @@ def test_nans_left_as_the_arithmetic_makes_them_as_the_bound_form_leaves_them(na
         want = torch.empty_like(got)
         kernels.prepare_sum_slices(src, N_RANKS, got, canonical_nan=False)(src, got)
         kernels.bind_sum_slices(src, N_RANKS, want, canonical_nan=False)()
-    assert torch.isnan(got).any()
+    canonical = torch.empty_like(got)
+    if name == "pack":
+        kernels.bind_pack([src], canonical, 0.5)()
+    else:
+        kernels.bind_sum_slices(src, N_RANKS, canonical)()
+    assert not torch.equal(canonical.view(torch.int16), want.view(torch.int16))  # the flag shows in the bits
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -293,13 +301,20 @@ def test_tritons_launcher_where_the_direct_launch_must_not_be_used(stubbed_cuda,
     assert recorder.launches == [] and len(fallbacks) == 2
 
 
-def test_a_compiled_launch_of_a_prepared_call_holds_no_past_addresses(stubbed_cuda):
-    recorder, _ = stubbed_cuda
-    prepare, tensors, _ = CASES["sum_blocks"]
+def test_inside_cuda_graph_capture_before_the_self_check_tritons_launcher_then_a_compile(stubbed_cuda, monkeypatch):
+    """The self-check synchronises, which capture forbids: a call captured before it ran goes through Triton's
+    launcher (which the graph records) and compiles nothing; the first call outside capture compiles."""
+    recorder, fallbacks = stubbed_cuda
+    prepare, tensors, _ = CASES["sum_slices"]
     call = prepare(*tensors(0))
+    monkeypatch.setattr(launch_module, "_direct_launch_ok", None)
+    monkeypatch.setattr(launch_module, "_capturing", lambda: True)
     call(*tensors(1))
-    (specialised,) = call._by_alignment.values()
-    assert specialised.direct.values == ()  # launching it bare would launch nothing with a freed buffer's address
+    assert len(fallbacks) == 1 and recorder.compiled == [] and call._by_alignment == {}
+    monkeypatch.setattr(launch_module, "_capturing", lambda: False)
+    monkeypatch.setattr(launch_module, "_direct_launch_available", lambda device: True)
+    call(*tensors(2))
+    assert len(fallbacks) == 1 and len(recorder.compiled) == 1 and len(recorder.launches) == 1
 
 
 def test_a_repeat_call_at_the_same_addresses_relaunches_without_building_its_arguments(stubbed_cuda, monkeypatch):

@@ -372,26 +372,53 @@ def test_a_group_s_block_layout_is_reused_while_its_chunks_and_ranks_stay():
 
 
 def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffers():
-    from ddp_triton.runtime.prepared_calls import PreparedCalls
+    from ddp_triton.runtime.prepared_calls import KINDS, SHAPES_PER_KIND, PreparedCalls
 
     group, prepared_for = PreparedCalls(), []
 
     def prepare(tensor, out):
-        prepared_for.append(tensor.numel())
+        prepared_for.append((tensor.numel(), out.dtype))
         return ddp_triton.kernels.prepare_pack(tensor, out, 0.5)
 
-    for n in (100, 100, 64, 100, 64):
-        src, out = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
-        group.run(("pack", 0.5), prepare, src, out)
-        assert torch.equal(out, (src * 0.5).to(torch.bfloat16))
-    assert prepared_for == [100, 64] and group.prepared == 2
-    group.run(("pack", 0.5), prepare, torch.randn(100), torch.empty(100))  # another dtype: prepared for it
-    assert group.prepared == 3
-    from ddp_triton.runtime import prepared_calls
+    def run(n, dtype=torch.bfloat16, what=("pack", 0.5)):
+        src, out = torch.randn(n), torch.empty(n, dtype=dtype)
+        group.run(what, prepare, src, out)
+        assert torch.equal(out, (src * 0.5).to(dtype))
 
-    for n in range(1, 2 * prepared_calls.CAPACITY):  # shapes that keep changing: the least recently used go
-        group.run(("pack", 0.5), prepare, torch.randn(n), torch.empty(n))
-    assert len(group._calls) == prepared_calls.CAPACITY
+    for n in (100, 100, 64, 100, 64):
+        run(n)
+    assert [n for n, _ in prepared_for] == [100, 64] and group.prepared == 2
+    run(100, torch.float32)  # another dtype: prepared for it
+    assert group.prepared == 3
+    # Shapes that keep changing: a kind keeps its most recently used ones.
+    for n in range(1, SHAPES_PER_KIND + 1):
+        run(n)
+    assert group.prepared == 3 + SHAPES_PER_KIND
+    run(SHAPES_PER_KIND)  # recent: kept
+    run(100)  # pushed out by the four since: prepared again
+    assert group.prepared == 4 + SHAPES_PER_KIND
+    # Kinds that keep changing: the least recently used kind goes.
+    for k in range(KINDS):
+        run(8, what=("pack", 0.5, k))
+    run(8, what=("pack", 0.5, KINDS - 1))
+    assert group.prepared == 4 + SHAPES_PER_KIND + KINDS
+    run(100)  # its kind was pushed out
+    assert group.prepared == 5 + SHAPES_PER_KIND + KINDS
+
+
+def test_an_exchange_through_prepared_calls_takes_no_statistics():
+    from ddp_triton.runtime.exchange import block_fp8_exchange, float32_sum_exchange
+    from ddp_triton.runtime.prepared_calls import PreparedCalls
+    from ddp_triton.runtime.wire import resolve_wire_format
+
+    buffer, stats, prepared = torch.randn(300), torch.zeros(2), PreparedCalls()
+    with pytest.raises(ValueError, match="no statistics"):
+        float32_sum_exchange(buffer, resolve_wire_format(torch.bfloat16, torch.float32, None), None, 2, 0.5, 1.0,
+                             stats, prepared=prepared)
+    with pytest.raises(ValueError, match="no statistics"):
+        block_fp8_exchange(buffer, resolve_wire_format(torch.float8_e4m3fn, None, None),
+                           ddp_triton.kernels.block_layout([300], 2), None, 2, 0.5, None, stats, prepared=prepared)
+    assert prepared.prepared == 0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
