@@ -37,7 +37,9 @@ from bench.common import environment, format_table  # noqa: E402
 from bench.ddp_models import make_model  # noqa: E402
 from bench.ddp_step import init, link_bytes, node_link_per_step, sync  # noqa: E402
 
-VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum", "triton_fp8")
+#: ``triton_fp8_bf16_reduce``: FP8 with FSDP's reduce dtype bfloat16 (mixed precision: our reduce-scatter is handed
+#: bf16 gradients and writes the bf16 shard).
+VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum", "triton_fp8", "triton_fp8_bf16_reduce")
 #: HSDP over nodes x local ranks: FSDP2's native HSDP (float32, or both hops in bf16), and ours (float32 in the node,
 #: bf16 with float32 sums between nodes; or bf16 with float32 sums on both hops; or FP8 with error feedback between
 #: nodes).
@@ -69,7 +71,7 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
     fully_shard(model, **kwargs)
     if variant == "triton_bf16_fp32sum":
         ddp_triton.fsdp.register(model)
-    elif variant == "triton_fp8":  # block-scaled E4M3 with error feedback
+    elif variant in ("triton_fp8", "triton_fp8_bf16_reduce"):  # block-scaled E4M3 with error feedback
         ddp_triton.fsdp.register(model, comm_dtype=torch.float8_e4m3fn)
     elif variant == "hsdp_triton_bf16_fp32sum":
         ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,

@@ -65,7 +65,7 @@ def test_fsdp_step_smoke(tmp_path):
     stdout, data = run(["bench.fsdp_step", "--small", "--steps", "2", "--rounds", "1", "--link-iface", "lo"],
                        tmp_path, "fsdp_step-*.json")
     assert [r["variant"] for r in data["rows"]] == ["fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum",
-                                                    "triton_fp8"]
+                                                    "triton_fp8", "triton_fp8_bf16_reduce"]
     assert all(r["median_ms"] > 0 and r["node_link_tx_bytes_per_step"] >= 0 for r in data["rows"])
     assert "node link MB sent per step" in stdout
 
