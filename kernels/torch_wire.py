@@ -482,10 +482,10 @@ def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, o
     """out (float32) <- the values of the ``n_ranks`` row slices of ``received`` summed in float32 in rank order
     from the first rank's: the first slice dequantized into ``out``, each further one into a float32 scratch
     buffer and added (the kernel's roundings: each value times its scale, then the adds)."""
-    step = layout.n_rows * ROW_BYTES
     passes = _native(fmt)
     if passes is not None:
         return _native_sum_blocks(passes, received, n_ranks, layout, out)
+    step = layout.n_rows * ROW_BYTES
     slices = [received[r * step:(r + 1) * step] for r in range(n_ranks)]
     first = bind_dequantize_blocks(slices[0], layout, out, fmt, None, canonical_nan=False)
     if n_ranks == 1:
@@ -553,6 +553,7 @@ def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> None:
     bind_sum_slices(received, n_ranks, out)()
 
 
-def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, fmt: Fp8Format) -> None:
+def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor,
+               fmt: Fp8Format) -> None:
     """out (float32) <- the ranks' row slices' values summed in float32 in rank order."""
     bind_sum_blocks(received, n_ranks, layout, out, fmt)()

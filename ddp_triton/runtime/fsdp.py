@@ -63,7 +63,7 @@ from .. import kernels
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
-from .exchange import block_fp8_exchange, float32_sum_exchange
+from .exchange import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 from .wire import WireFormat, resolve_wire_format
@@ -252,7 +252,7 @@ class ReplicaAverage:
         dist.all_reduce(sent, group=self.group)
         run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), sent, flat)
 
-    def _fp8_exchange(self, flat: torch.Tensor) -> Any:
+    def _fp8_exchange(self, flat: torch.Tensor) -> ShardedExchange:
         sizes = tuple(self.comm.chunk_sizes())
         if sum(sizes) != flat.numel():
             raise RuntimeError(f"the shard FSDP hands the replica hop has {flat.numel()} elements; its parameters' "
