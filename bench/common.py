@@ -25,7 +25,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
     """GPU name, software versions and the date: what a recorded number must carry."""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": package_version("torch"),
+        "torch": torch.__version__,  # the build (+cpu, +cu130), which the distribution's version leaves out
         "triton": package_version("triton"),
         "nccl": nccl_version_text() if torch.cuda.is_available() else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),

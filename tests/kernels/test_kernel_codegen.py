@@ -35,9 +35,10 @@ REGISTER_EXCEPTIONS = {
     # and nothing narrows the values to share registers (to bfloat16 the same launch takes 31).
     "bucket 25M pack fp32->fp32": {"3.0": 44, "default": 50},
     # The stats (sum of squares and non-finite count, reduced over the block) cost 16-18 registers over the same
-    # unpack without them (30-32).
-    "gpt2 unpack bf16->fp32 +stats": {"3.0": 64, "default": 48},
-    "gpt2 unpack fp16->fp32 +stats": {"3.0": 64, "default": 48},
+    # unpack without them (30-32). Triton 3.8 (torch 2.14's) allocates 55 and 54 for the same code, without spills:
+    # 9 blocks of 128 threads per SM instead of 10, still above Triton 3.0's 8.
+    "gpt2 unpack bf16->fp32 +stats": {"3.0": 64, "3.8": 56, "default": 48},
+    "gpt2 unpack fp16->fp32 +stats": {"3.0": 64, "3.8": 56, "default": 48},
     # Triton 3.0 only: the same kernel takes 31 from Triton 3.6 on.
     "bucket 25M pack fp32->bf16": {"3.0": 40},
     "bucket 25M pack fp32->fp16": {"3.0": 34},
