@@ -108,6 +108,7 @@ def _create_groups(algorithms: Sequence[str], rank_sets: Sequence[List[int]], ba
     """
     me = dist.get_rank()
     timeout = group_timeout(parent)
+    agree_on_group_count(dist.group.WORLD)
     groups: Dict[str, ProcessGroup] = {}
     for a in algorithms:
         name = NCCL_ALGO_NAMES[a]
@@ -185,6 +186,23 @@ def collective_device(pg: ProcessGroup) -> torch.device:
     if "nccl" in str(dist.get_backend(pg)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def agree_on_group_count(pg: ProcessGroup) -> None:
+    """Give every rank of ``pg`` the largest count of process groups any of them holds, before they make groups.
+
+    torch names a new group after that count (its members must agree on the name to meet). From torch 2.14 a group
+    made with ``use_local_synchronization`` by some ranks only advances the count on those ranks, so a group made
+    afterwards by all of them gets a different name on each side and its creation waits forever. Raising a count
+    only skips names. One all-reduce over ``pg``, issued by every rank; nothing where torch keeps no such count.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    count = getattr(world, "group_count", None)
+    if type(count) is not int or dist.get_world_size(pg) == 1:
+        return
+    largest = torch.tensor([count], dtype=torch.int64, device=collective_device(pg))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=pg)
+    world.group_count = int(largest.item())
 
 
 def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] = None, given: str = "") -> str:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..log import warn_once
-from .algo_groups import collective_device, gather_text, group_timeout
+from .algo_groups import agree_on_group_count, collective_device, gather_text, group_timeout
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ def _make_groups(group: Any, nodes: List[List[int]], mine: int, local_index: int
 
     wanted = {"node": mine, "cross": local_index, "gather": mine}
     made: Dict[str, Any] = {}
+    agree_on_group_count(group)
     if len(global_ranks) == dist.get_world_size():
         for kind, count in (("node", len(nodes)), ("cross", local_size), ("gather", len(nodes))):
             for index in range(count):
