@@ -7,7 +7,8 @@ world size 1, the AVG path and CUDA events) runs where CUDA is present and skips
 The reference is torch itself on the same averaged gradients: ``torch.nn.utils.clip_grad_norm_`` on copies of the
 gradients the hook produced, and their norm in float64. ``ddp_triton.clip_grad_norm_`` must give torch's norm and
 torch's clipped gradients, without calling torch's function when the state vouches for the gradients (it is
-patched to fail there), and must call it, with the same results, in each fallback case.
+patched to fail there), and must call it, with the same results, in each fallback case. With automatic mixed
+precision the same holds after GradScaler's ``unscale_``, whether the clip is given the scaler or not.
 """
 
 import math
@@ -59,14 +60,17 @@ def assert_grads(model, expected, rtol):
             torch.testing.assert_close(p.grad, g, rtol=rtol, atol=1e-7, msg=name)
 
 
-def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, params=None):
+def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, params=None, unscaled=False):
     """The state vouches, its norm is the gradients' norm, and its clip is torch's without calling torch's.
-    ``params``: a function giving what to clip, as torch's clip takes it (default: the DDP model itself)."""
+    ``params``: a function giving what to clip, as torch's clip takes it (default: the DDP model itself).
+    ``unscaled``: GradScaler's unscale_ ran since the backward (the state's own norm is then the scaled one); the
+    clip, given ``scaler`` or not, must find the unscaled gradients' norm from the statistics all the same."""
     target = ddp if params is None else params()
-    assert state.cannot_vouch(ddp) is None, state.cannot_vouch(ddp)
+    why = state.cannot_vouch(ddp)
+    assert (why is None) if not unscaled else (why is not None and "unscale_" in why), why
     norm = state.grad_norm()
     assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.device == next(ddp.parameters()).device
-    if scaler is None:
+    if not unscaled:
         assert float(norm) == pytest.approx(float64_norm(ddp), rel=FP32_RTOL)  # float32 sums against float64
     assert float(state.found_inf()) == 0.0
     expected_norm, expected_grads = torch_reference(ddp, max_norm)
@@ -77,12 +81,14 @@ def check_clip_via_state(ddp, state, max_norm, rtol=FP32_RTOL, scaler=None, para
     return float(clipped)
 
 
-def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None):
-    """The state declines (saying ``reason``) and clip_grad_norm_ is torch's, with torch's results."""
+def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None, scaler=None):
+    """The state declines (saying ``reason``, or one of several) and clip_grad_norm_ is torch's, with torch's
+    results."""
     target = ddp if params is None else params()
     why = state.cannot_vouch(params() if params is not None else ddp, norm_type) if state is not None \
         else "no CommState"
-    assert why is not None and reason in why, why
+    reasons = (reason,) if isinstance(reason, str) else reason
+    assert why is not None and any(r in why for r in reasons), why
     expected_norm, expected_grads = torch_reference(ddp, max_norm, norm_type)
     if params is not None:  # torch's clip over only those given
         chosen = {id(p) for p in params()}
@@ -93,7 +99,7 @@ def check_fallback(ddp, state, max_norm, reason, norm_type=2.0, params=None):
         expected_grads = [None if p.grad is None else (p.grad * coef if id(p) in chosen else p.grad.clone())
                           for p in ddp.parameters()]
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=TORCH_CLIP) as torch_clip:
-        clipped = ddp_triton.clip_grad_norm_(target, max_norm, state=state, norm_type=norm_type)
+        clipped = ddp_triton.clip_grad_norm_(target, max_norm, state=state, norm_type=norm_type, scaler=scaler)
     assert torch_clip.call_count == 1
     assert float(clipped) == float(expected_norm)
     assert_grads(ddp, expected_grads, rtol=0)
@@ -262,28 +268,147 @@ def _fallbacks(rank, world_size):
     assert restored.grad_stats and restored.timing
 
 
-def _amp_dropped_and_parameter_lists(rank, world_size):
-    for gabv in (False, True):
+def scaled_backward(ddp, scaler, rank, world_size, data_step):
+    """zero_grad, then this rank's backward of its loss scaled by ``scaler`` (automatic mixed precision's loop)."""
+    ddp.zero_grad()
+    x, y = make_data(data_step)
+    loss = nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    scaler.scale(loss).backward()
+
+
+ALL_LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
+
+
+def _amp_loop(rank, world_size, layouts=ALL_LAYOUTS, **options):
+    """torch's AMP loop: scaled backward, unscale_, clip, step, update; the clip given the scaler or not (as users
+    copy torch's loop), the state's clip before unscale_ (the scaled norm) and a step with no clip at all.
+    ``layouts``: (gradient_as_bucket_view, whether the clip is given the scaler) pairs."""
+    for gabv, give_scaler in layouts:
         ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
-        state = ddp_triton.register(ddp, grad_stats=True)
+        state = ddp_triton.register(ddp, grad_stats=True, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        # Automatic mixed precision: GradScaler's unscale_ divides the gradients without moving their version
-        # counters; given the scaler, the state's norm is the unscaled gradients' norm, as torch's clip finds it.
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        for s in range(2):
-            ddp.zero_grad()
-            x, y = make_data(s)
-            scaler.scale(nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)),
-                                                local_slice(y, rank, world_size))).backward()
-            if s == 0:  # clipping the scaled gradients, before unscale_: the scaled norm, as torch's
-                scaled = check_clip_via_state(ddp, state, 1e6, scaler=scaler)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)  # the scale changes per step
+        passed = scaler if give_scaler else None
+        for s in range(4):
+            scaled_backward(ddp, scaler, rank, world_size, s)
+            if s == 1:  # clipping the scaled gradients, before unscale_: the scaled norm, as torch's
+                scaled = check_clip_via_state(ddp, state, 1e6, scaler=passed)
+                scaler.unscale_(opt)
+            elif s == 2:  # unscale_ without a clip
                 scaler.unscale_(opt)
             else:
                 scaler.unscale_(opt)
-                unscaled = check_clip_via_state(ddp, state, 1.0, scaler=scaler)
+                unscaled = check_clip_via_state(ddp, state, 1.0, scaler=passed, unscaled=True)
             scaler.step(opt)
             scaler.update()
-        assert scaled > 100 * unscaled, (scaled, unscaled)  # a scale of 1024 between them, up to a step's change
+        assert scaler.get_scale() == 1024.0 * 2**4  # no step skipped: every step went through unscale_
+        assert scaled > 100 * unscaled, (scaled, unscaled)  # a scale of 2048 between them, up to two steps'
+
+
+def _amp(rank, world_size):
+    _amp_loop(rank, world_size)  # bfloat16 on the wire; FP8 and two-level: _fp8_amp, _two_level_worker
+
+    # A disabled scaler's unscale_ does nothing: the gradients are as the unpack wrote them.
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, grad_stats=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    scaled_backward(ddp, off, rank, world_size, 0)
+    off.unscale_(opt)
+    check_clip_via_state(ddp, state, 0.05, scaler=off)
+
+    # unscale_, then a no_sync backward accumulating into the unscaled gradients: torch's clip (they changed)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaled_backward(ddp, scaler, rank, world_size, 0)
+    scaler.unscale_(opt)
+    with ddp.no_sync():
+        x, y = make_data(1)
+        local_backward(ddp, x, y, rank, world_size)
+    check_fallback(ddp, state, 0.05, "changed since")
+    scaler.step(opt)
+    scaler.update()
+
+    # The scaled gradients' sum of squares out of float32's range while the unscaled gradients' is not (a scale that
+    # grew for many steps, or one below 1): the norm from the statistics would be inf or 0; torch's clip runs.
+    with pytest.raises(TypeError, match="GradScaler"):
+        ddp_triton.clip_grad_norm_(ddp, 0.05, scaler="not a scaler")
+    for init_scale in (2.0**100, 2.0**-100):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        scaled_backward(ddp, scaler, rank, world_size, 0)
+        assert float(state.found_inf()) == 0.0
+        scaler.unscale_(opt)
+        with mock.patch.object(ddp_triton.runtime.clip.logger, "debug") as debug:
+            check_fallback(ddp, state, 0.05, "unscale_", scaler=scaler)
+        assert "float32's range" in debug.call_args[0][1], debug.call_args
+        scaler.step(opt)
+        scaler.update()
+
+    # Two optimizers, each with whole buckets: unscale_ of one, then of both (a factor per bucket)
+    for gabv in (False, True):
+        ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
+        state = ddp_triton.register(ddp, grad_stats=True)
+        step(ddp, rank, world_size, 0)
+        step(ddp, rank, world_size, 1)  # after DDP's rebuild of its buckets
+        buckets = [e.coverage.params for e in state.latest_pass()]
+        assert len(buckets) > 1
+        first = {id(p) for p in buckets[0]}
+        opts = [torch.optim.SGD([p for p in ddp.parameters() if (id(p) in first) == mine], lr=0.01)
+                for mine in (True, False)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaled_backward(ddp, scaler, rank, world_size, 2)
+        scaler.unscale_(opts[0])
+        check_clip_via_state(ddp, state, 1.0, unscaled=True)  # one bucket unscaled, the others scaled, as torch sees
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        scaled_backward(ddp, scaler, rank, world_size, 3)
+        for opt in opts:
+            scaler.unscale_(opt)
+        check_clip_via_state(ddp, state, 1.0, unscaled=True)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        # ... and two optimizers that share a bucket: unscale_ of one leaves the bucket half scaled: torch's clip
+        shared = [p for p in buckets if len(p) > 1][0]
+        opts = [torch.optim.SGD([p for p in ddp.parameters() if (p is shared[0]) == mine], lr=0.01)
+                for mine in (True, False)]
+        for unscaled in (opts[:1], opts[1:], opts):
+            scaled_backward(ddp, scaler, rank, world_size, 4)
+            for opt in unscaled:
+                scaler.unscale_(opt)
+            # bucket views share the bucket's counter, which the other optimizer's unscale_ (or none) moved on
+            check_fallback(ddp, state, 1.0, "changed since" if gabv else "differently")
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+
+    # A GradScaler that overrides unscale_ (FSDP's ShardedGradScaler, here with DDP on CPU): seen all the same. Older
+    # torch's unscaled CPU gradients through .data (``_foreach_non_finite_check_and_unscale_cpu_``), which no version
+    # counter sees; the state cannot vouch there.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    if hasattr(ShardedGradScaler, "_foreach_non_finite_check_and_unscale_cpu_"):
+        return
+    ddp = DDP(make_model(), bucket_cap_mb=0.002)
+    state = ddp_triton.register(ddp, grad_stats=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sharded = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    assert type(sharded).unscale_ is not torch.amp.GradScaler.unscale_
+    for s in range(2):
+        scaled_backward(ddp, sharded, rank, world_size, s)
+        sharded.unscale_(opt)
+        check_clip_via_state(ddp, state, 1.0, unscaled=True)
+        sharded.step(opt)
+        sharded.update()
+
+
+def _fp8_amp(rank, world_size):
+    _amp_loop(rank, world_size, layouts=((False, False), (True, False)), comm_dtype=torch.float8_e4m3fn)
+
+
+def _dropped_and_parameter_lists(rank, world_size):
+    for gabv in (False, True):
+        ddp = DDP(make_model(), bucket_cap_mb=0.002, gradient_as_bucket_view=gabv)
+        state = ddp_triton.register(ddp, grad_stats=True)
         # Gradients dropped after the backward: the norm of the pass counts them, torch's clip does not.
         step(ddp, rank, world_size, 0)
         ddp.module[2].weight.grad = None
@@ -305,7 +430,9 @@ def _grad_stats_worker(rank, world_size):
         case(rank, world_size)
     if world_size == 2:  # the fallbacks do not depend on the world size: once is enough
         _fallbacks(rank, world_size)
-        _amp_dropped_and_parameter_lists(rank, world_size)
+        _amp(rank, world_size)
+        _fp8_amp(rank, world_size)
+        _dropped_and_parameter_lists(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -322,11 +449,49 @@ def _two_level_worker(rank, world_size):
         for s, max_norm in enumerate((0.05, 1e3)):
             step(ddp, rank, world_size, s)
             check_clip_via_state(ddp, state, max_norm)
+        _amp_loop(rank, world_size, layouts=((False, False),), hierarchical=True, **options)
 
 
 def test_two_level_statistics_are_the_averaged_gradients():
     """The two-level exchange's last pass (the unpack after the node's all-gather) gives the statistics."""
     torch_path_workers(_two_level_worker, 4)
+
+
+def test_unscale_op_moves_version_counters_and_notes_its_factor():
+    """What the watch on GradScaler's op does: wraps once (picklable), moves each given tensor's counter once (a
+    bucket's views share theirs), notes the factor used and the versions around the op; a tensor given twice is
+    counted, not noted; inside torch.compile it runs eagerly (traced, the counter would not move)."""
+    from ddp_triton.runtime import grad_stats
+
+    grad_stats.watch_unscale()
+    watched = torch._amp_foreach_non_finite_check_and_unscale_
+    grad_stats.watch_unscale()
+    assert torch._amp_foreach_non_finite_check_and_unscale_ is watched and watched.counts_versions
+    assert pickle.loads(pickle.dumps(watched)) is watched
+    bucket, alone = torch.ones(10), torch.ones(3)
+    views = [bucket[:4], bucket[4:]]
+    found, inv_scale = torch.zeros(()), torch.tensor(0.25)
+    watched(views + [alone], found, inv_scale)
+    assert bucket.tolist() == [0.25] * 10 and alone.tolist() == [0.25] * 3 and float(found) == 0.0
+    assert alone._version == 1 and bucket._version == 2 and views[0]._version == 2
+    inv_scale.fill_(8.0)  # the factor noted is the one used
+    for t, after in ((alone, 1), (views[0], 2), (views[1], 2)):
+        factor, noted_after = grad_stats.unscaled_since(t, 0)
+        assert float(factor) == 0.25 and noted_after == after
+    assert grad_stats.unscaled_since(alone, 1) is None  # a version noted after the op: no unscale since
+    twice = torch.ones(2)
+    watched([twice, twice], found, torch.tensor(0.5))
+    assert twice._version == 2 and grad_stats.unscaled_since(twice, 0) is None
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    grad = model.weight.grad
+    expected = grad / 8
+    torch.compile(lambda: scaler.unscale_(opt), backend="aot_eager")()
+    assert torch.equal(grad, expected) and grad._version == 1
+    assert float(grad_stats.unscaled_since(grad, 0)[0]) == 0.125
 
 
 def test_in_place_unpack_at_scale_one_is_a_stats_pass():
@@ -372,7 +537,8 @@ def test_grad_stats_over_nccl(nccl_world_of_one, comm_dtype):
 
 @pytest.mark.gpu
 def test_clip_after_grad_scaler_unscale_over_nccl(nccl_world_of_one):
-    """The AMP pattern on CUDA: scaled backward, unscale_, the state's clip given the scaler, against torch's."""
+    """The AMP pattern on CUDA: scaled backward, unscale_, the state's clip (given the scaler or not) against
+    torch's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
     ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True, bucket_cap_mb=0.01)
@@ -380,12 +546,12 @@ def test_clip_after_grad_scaler_unscale_over_nccl(nccl_world_of_one):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
     x = torch.randn(32, 64, device="cuda")
-    for _ in range(3):
+    for s in range(4):
         ddp.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = ddp(x).float().square().mean()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        check_clip_via_state(ddp, state, 0.01, scaler=scaler)
+        check_clip_via_state(ddp, state, 0.01, scaler=scaler if s % 2 else None, unscaled=True)
         scaler.step(opt)
         scaler.update()
