@@ -93,9 +93,15 @@ def save_json(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = None
     return path
 
 
+def progress(message: str) -> None:
+    """One line on stderr, at once: a long benchmark says what it is doing (stdout keeps its tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def append_results(title: str, env: Dict[str, Any], tables: List[str], notes: Sequence[str] = (),
                    path: Path = RESULTS_MD) -> None:
-    """Append a dated section to bench/RESULTS.md: the machine, the tables, and what they mean."""
+    """Append a dated section to bench/RESULTS.md: the machine, the tables, and what they mean. Only when the
+    user asks (``--append-results``): RESULTS.md is tracked, and a benchmark writes its results under bench/out."""
     header = (f"\n## {title}: {env['device']}, {env['date']}\n\n"
               f"torch {env['torch']}, triton {env['triton']}, NCCL {env['nccl']}.\n")
     body = "\n\n".join(tables)

@@ -60,7 +60,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import OUT_DIR, append_results, environment, format_table, save_json  # noqa: E402
+from bench.common import OUT_DIR, append_results, environment, format_table, progress, save_json  # noqa: E402
 from bench.ddp_models import Workload, make_workload  # noqa: E402
 from bench.ddp_profile import (BACKWARD_RANGE, FORWARD_RANGE, STEP_RANGE, analyse_trace,  # noqa: E402
                                bucket_table, step_table)
@@ -395,6 +395,9 @@ def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device
                 before = link_bytes(counted)
                 times += timer(steps, warmup, device)
                 after = link_bytes(counted)
+                if dist.get_rank() == 0:
+                    progress(f"bucket view {'on' if gabv else 'off'}, round {round_ + 1}/{args.rounds}: {variant} "
+                             f"median {statistics.median(times):.2f} ms over {len(times)} steps")
                 if counted:
                     link[variant] = [link[variant][0] + after[0] - before[0],
                                      link[variant][1] + after[1] - before[1], link[variant][2] + steps + warmup]
@@ -500,11 +503,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--format-profile", default=None, metavar="FILE",
                    help="the profile variant triton_hook_auto follows (one that chooses wire formats: ddp-triton "
                         "autotune --formats, or bench.format_timing --profile-out)")
-    p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
-    p.add_argument("--out-dir", default=None)
+    p.add_argument("--append-results", action="store_true",
+                   help="also append the table to bench/RESULTS.md (a GPU run's; default: only the JSON under "
+                        "--out-dir)")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default bench/out, which git ignores)")
     args = p.parse_args(argv)
+    cpu_sized = not torch.cuda.is_available() and not (args.small or args.batch or args.seq or args.blocks)
+    if cpu_sized:  # the full models take minutes a step on a CPU: the small ones, unless a size is given
+        args.small = True
     if args.steps is None:
-        args.steps = 5 if args.profile else 100
+        args.steps = 5 if args.profile else (20 if cpu_sized else 100)
     if args.model == "mlp" and args.seq is not None:
         p.error("--seq applies to --model gpt2")
     if args.blocks is not None and (args.model != "mlp" or args.small or args.blocks < 1):
@@ -519,6 +527,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cpu_sized and rank == 0:
+        progress(f"no GPU: the small {args.model} and {args.steps} steps per variant (give --batch, --seq or "
+                 "--blocks for another size)")
     work = make_workload(args.model, args.small, args.batch, args.seq, device, world, blocks=args.blocks)
     backend = str(dist.get_backend()).lower()
     views = {"both": (False, True), "off": (False,), "on": (True,)}[args.bucket_view]
@@ -554,7 +565,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{env}\n\n{table}\n\nsaved {path}")
             for n in sorted(set(notes)):
                 print(n)
-            if not args.no_results and device.type == "cuda":
+            if args.append_results:
                 append_results(work.title, env, [table], sorted(set(notes)))
     leave_process_group()
     return 0

@@ -321,7 +321,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes and a narrow GPT-2 (smoke run)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     p.add_argument("--sweep", action="store_true", help="also time BLOCK x warps of the contiguous kernel")
-    p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
+    p.add_argument("--append-results", action="store_true", help="also append the tables to bench/RESULTS.md")
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default bench/out)")
     args = p.parse_args(argv)
 
@@ -375,7 +375,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           "\nGPU time only (CUDA graph replays):", gradient_gpu_table, "\n", host_table, "\n", graph_table, "\n",
           sweep_table, sep="\n")
     print(f"\nsaved {path}")
-    if not args.no_results and device.type == "cuda":
+    if args.append_results:
         append_results("bench/kernels.py", env, [f"Copy ceiling {ceiling:.0f} GB/s.", bucket_table,
                                                  "GPU time only, cold L2, every column replayed from a CUDA graph:",
                                                  gpu_time_table, gradient_table, "GPU time only (CUDA graphs):",

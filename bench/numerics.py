@@ -1,6 +1,6 @@
 """How accurately each wire format averages gradients over N ranks, simulated in one process on CPU.
 
-    python -m bench.numerics                  # N in {2, 3, 8, 64, 96, 512, 1024}; JSON + plot in bench/results/
+    python -m bench.numerics                  # N in {2, 3, 8, 64, 96, 512, 1024}; JSON + plot in bench/out/
     python -m bench.numerics --quick          # N in {2, 8, 64}, fewer elements and steps: a smoke run
     python -m bench.numerics --out FILE.json  # elsewhere (the plot goes beside it, FILE.png)
 
@@ -71,14 +71,13 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import environment, format_table  # noqa: E402
+from bench.common import OUT_DIR, environment, format_table  # noqa: E402
 from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
 from ddp_triton.runtime.bucket import split_average  # noqa: E402
 from ddp_triton.runtime.two_level import part_length, pieces_within  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 #: (name, elements, scale). 10,138 elements: N = 1024 ranks are 10M float32 values, which the FP8 pipeline
 #: quantizes in under a second on this CPU. The first three end on a block boundary (7808 = 61 x 128); head.weight's
@@ -486,7 +485,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ns", default=None, help="comma-separated world sizes (default: 2,3,8,64,96,512,1024)")
     p.add_argument("--ef-ns", default=None, help="world sizes of the running-sum study (default: 2,8,64)")
     p.add_argument("--steps", type=int, default=None, help="steps of the running-sum study (default 100)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/numerics.json); the plot beside it")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/out/numerics.json; bench/results/ holds the recorded runs); the plot "
+                        "beside it")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, restored on return)")
     p.add_argument("--seeds", type=int, default=None,
@@ -557,7 +558,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                             + [f"{small} after {steps}"] + [f"drift after {m}" for m in marks], ef_rows)
 
     elapsed = time.perf_counter() - started
-    out = Path(args.out) if args.out else RESULTS_DIR / "numerics.json"
+    out = Path(args.out) if args.out else OUT_DIR / "numerics.json"
     data = {
         "env": {**environment(torch.device("cpu")), "threads": torch.get_num_threads()},
         "config": {"quick": args.quick, "tensors": [list(t) for t in grads.tensors], "elements": grads.n,

@@ -1,6 +1,6 @@
 """Training quality per wire format: real DDP on gloo ranks (CPU), the same data and initial weights for each format.
 
-    python -m bench.quality                   # 2 ranks, both models, every format; JSON + plot in bench/results/
+    python -m bench.quality                   # 2 ranks, both models, every format; JSON + plot in bench/out/
     python -m bench.quality --world-size 4    # 2 to 4 ranks
     python -m bench.quality --quick           # a smoke run: tiny models, a few steps
 
@@ -57,11 +57,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import environment, format_table  # noqa: E402
+from bench.common import OUT_DIR, environment, format_table  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 from examples.train import synthetic_dataset  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 FORMATS: Dict[str, Dict[str, Any]] = {
     "fp32": {"comm_dtype": torch.float32},
@@ -381,7 +380,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="comma-separated: " + ", ".join([*FORMATS, *FSDP_FORMATS]))
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: seed 300, char 300)")
     p.add_argument("--last", type=int, default=None, help=f"final loss: mean of the last steps (default {LAST})")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/quality.json); the plot beside it")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/out/quality.json; bench/results/ holds the recorded runs); the plot "
+                        "beside it")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -405,7 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elapsed = time.perf_counter() - started
 
     summary = summarize(results, last)
-    out = Path(args.out) if args.out else RESULTS_DIR / "quality.json"
+    out = Path(args.out) if args.out else OUT_DIR / "quality.json"
     data = {"env": {**environment(torch.device("cpu")), "threads_per_rank": 1, "backend": "gloo"},
             "config": {"quick": args.quick, "world_size": args.world_size, "steps": steps, "last": last,
                        "formats": formats, "targets": TARGETS},

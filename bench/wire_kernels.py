@@ -1,6 +1,6 @@
 """Throughput of the wire-format kernels: on the GPU against the copy ceiling, on CPU against the bf16 pack.
 
-    python -m bench.wire_kernels [--mb 25] [--ranks 8] [--out-dir DIR] [--no-append]
+    python -m bench.wire_kernels [--mb 25] [--ranks 8] [--out-dir DIR] [--append-results]
     python -m bench.wire_kernels --cpu [--mb 25] [--ranks 4] [--json]    # the torch path, one thread
 
 For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all-to-all's received buffer is
@@ -159,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--mb", type=float, default=25.0, help="bucket size in MiB of float32 (default 25)")
     p.add_argument("--ranks", type=int, default=None, help="ranks the reduce sums over (default 8; --cpu: 4)")
     p.add_argument("--out-dir", type=Path, default=None)
-    p.add_argument("--no-append", action="store_true", help="do not append the table to bench/RESULTS.md")
+    p.add_argument("--append-results", action="store_true", help="also append the table to bench/RESULTS.md")
     p.add_argument("--cpu", action="store_true", help="the torch path on CPU tensors, one thread, against bf16")
     p.add_argument("--json", action="store_true", help="with --cpu: print one JSON object")
     args = p.parse_args(argv)
@@ -182,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"copy ceiling {ceiling:.0f} GB/s")
     print(table)
     save_json("wire_kernels", {"env": env, "ceiling_gbps": ceiling, "rows": table_rows}, args.out_dir)
-    if not args.no_append:
+    if args.append_results:
         append_results("Wire-format kernels", env, [f"Copy ceiling (float32 copy, read + write): {ceiling:.0f} GB/s",
                                                    table])
     return 0

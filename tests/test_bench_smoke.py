@@ -16,11 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, tmp_path, saved_as="*.json"):
+def tracked_bench_files():
+    """The bytes of every file git tracks under bench/ that a run could write: RESULTS.md and bench/results/."""
+    paths = [ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "bench" / "results").glob("*"))]
+    return {p: p.read_bytes() for p in paths}
+
+
+def run(args, tmp_path, saved_as="*.json", stderr=None):
+    """Run a benchmark with ``--out-dir tmp_path``; its stdout and the one JSON it saved there. ``stderr``: a list
+    that receives the run's stderr (its progress lines)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-m", *args, "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(out.stderr)
     (saved,) = tmp_path.glob(saved_as)
     return out.stdout, json.loads(saved.read_text())
 
@@ -35,7 +45,7 @@ def run_json(args):
 
 
 def test_kernels_benchmark_smoke(tmp_path):
-    stdout, data = run(["bench.kernels", "--device", "cpu", "--quick", "--no-compile", "--no-results"], tmp_path)
+    stdout, data = run(["bench.kernels", "--device", "cpu", "--quick", "--no-compile"], tmp_path)
     assert "copy ceiling" in stdout
     assert {r["op"] for r in data["buckets"]} == {"pack", "unpack"}
     assert all(r["bitexact"] for r in data["buckets"] + data["gradient_list"])
@@ -43,7 +53,11 @@ def test_kernels_benchmark_smoke(tmp_path):
 
 
 def test_ddp_step_benchmark_smoke(tmp_path):
-    stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1", "--no-results"], tmp_path)
+    before, stderr = tracked_bench_files(), []
+    stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1"], tmp_path, stderr=stderr)
+    # A line per variant and round as it finishes, and nothing written where git tracks it unless asked.
+    assert "bucket view on, round 2/5: triton_hook_bf16 median" in stderr[0], stderr[0][-2000:]
+    assert tracked_bench_files() == before
     variants = {(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]}
     assert ("triton_hook_bf16", True) in variants and ("no_hook", False) in variants
     assert any("bf16_compress_hook skipped" in n for n in data["notes"])
@@ -53,7 +67,7 @@ def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
     """World size 1 (one node: the two-level variant runs flat); --link-iface reads loopback's kernel counters."""
     stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1", "--rounds", "2",
                         "--bucket-view", "off", "--variants", "no_hook,triton_hook_fp8_2level,triton_hook_bf16_2level",
-                        "--link-iface", "lo", "--no-results"], tmp_path)
+                        "--link-iface", "lo"], tmp_path)
     assert [r["variant"] for r in data["rows"]] == ["no_hook", "triton_hook_fp8_2level", "triton_hook_bf16_2level"]
     for row in data["rows"]:
         assert row["node_link_tx_bytes_per_step"] >= 0 and row["node_link_rx_bytes_per_step"] >= 0
@@ -72,7 +86,7 @@ def test_fsdp_step_smoke(tmp_path):
 
 def test_ddp_step_gpt2_smoke(tmp_path):
     stdout, data = run(["bench.ddp_step", "--small", "--model", "gpt2", "--steps", "2", "--warmup", "1", "--rounds",
-                        "1", "--variants", "no_hook,triton_hook_bf16,triton_hook_bf16_clip_state", "--no-results"],
+                        "1", "--variants", "no_hook,triton_hook_bf16,triton_hook_bf16_clip_state"],
                        tmp_path, "ddp_step_gpt2-*.json")
     env = data["env"]
     assert env["model"] == "gpt2" and env["tied_embeddings"] is True and env["autocast"] is None  # CPU: float32
