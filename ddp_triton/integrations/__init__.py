@@ -2,6 +2,7 @@
 
 - ``ddp_triton.integrations.lightning``: ``TritonHook``, a PyTorch Lightning Callback
 - ``ddp_triton.integrations.accelerate``: ``register(accelerator, model)`` for Hugging Face Accelerate
+- ``ddp_triton.integrations.transformers``: ``TritonCommCallback``, a Hugging Face Trainer callback
 
 Each module imports its framework, which ddp-triton does not depend on: importing one without its framework
 installed raises an ImportError saying what to install. This package imports neither.

@@ -1,4 +1,4 @@
-"""ddp-triton does not depend on Lightning or Accelerate; its integration modules say what to install.
+"""ddp-triton does not depend on Lightning, Accelerate or Transformers; its integration modules say what to install.
 
 Tier: no device; runs whether or not the frameworks are installed (each check hides them or looks at the source).
 """
@@ -33,6 +33,12 @@ def test_accelerate_integration_without_accelerate_says_what_to_install(monkeypa
     _hide(monkeypatch, "accelerate")
     with pytest.raises(ImportError, match="needs Hugging Face Accelerate.*pip install accelerate"):
         importlib.import_module("ddp_triton.integrations.accelerate")
+
+
+def test_transformers_integration_without_transformers_says_what_to_install(monkeypatch):
+    _hide(monkeypatch, "transformers")
+    with pytest.raises(ImportError, match="needs Hugging Face Transformers.*pip install transformers"):
+        importlib.import_module("ddp_triton.integrations.transformers")
 
 
 def test_the_package_imports_no_framework():
