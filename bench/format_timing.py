@@ -4,7 +4,7 @@
         --inter-gbps 0.125 --profile-out /tmp/tuned.json
 
 Every rank times each (bucket size, format) with ``ddp_triton.tune.format_timing.time_formats`` (what ``ddp-triton
-autotune --formats`` measures); rank 0 prints measured / model per row, the fastest format per size, and, with
+autotune --formats`` measures); rank 0 prints measured / model per row, the format chosen per size, and, with
 ``--profile-out``, writes the profile the measured choice makes (the hook follows it with ``comm_dtype="auto"``:
 ``python -m bench.ddp_step --variants triton_hook_auto --format-profile FILE``). The model is the emulated
 cluster's fabric: ``--inter-gbps`` per node (the link's rate), ``--intra-gbps`` between the ranks of a node (gloo
@@ -30,7 +30,7 @@ from bench.common import format_table  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
 from ddp_triton.machine.profile import (FormatRow, Profile, TableEntry, admitted_formats, format_bytes,  # noqa: E402
                                         format_choice)
-from ddp_triton.tune.format_timing import time_formats  # noqa: E402
+from ddp_triton.tune.format_timing import MAX_ROUNDS, time_formats  # noqa: E402
 
 DEFAULT_FORMATS = "fp32,bf16,bf16+fp32sum,fp8e4m3+ef,two-level bf16,two-level fp8e4m3+ef"
 DEFAULT_SIZES = "262144,1048576,4194304,16777216"
@@ -43,7 +43,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--inter-gbps", type=float, required=True, help="each node's link, GB/s (1 Gbit/s: 0.125)")
     p.add_argument("--intra-gbps", type=float, default=0.44, help="between a node's ranks, GB/s (0.44)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5, help="timed rounds per size at least (5); more until each "
+                   "median is known within 5%%, within a 60 s budget (tune.format_timing)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here (rank 0)")
     p.add_argument("--profile-out", type=Path, help="write the profile of the measured choice here (rank 0)")
     args = p.parse_args(argv)
@@ -55,8 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     allowed = [f.strip() for f in args.formats.split(",") if f.strip()]
     admitted, replaced = admitted_formats(allowed, world, nodes)
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = time_formats(sizes, admitted, warmup=args.warmup, iters=args.iters, progress=False, fabric=fabric,
-                        host=cm.CPU_HOST_COST)
+    rows = time_formats(sizes, admitted, warmup=args.warmup, min_rounds=args.iters,
+                        max_rounds=max(args.iters, MAX_ROUNDS), progress=False, fabric=fabric, host=cm.CPU_HOST_COST)
     if dist.get_rank() == 0:
         table = [[format_bytes(r["bytes"]), r["format"], f"{r['time_us'] / 1e3:.2f}", f"{r['model_us'] / 1e3:.2f}",
                   f"{r['time_us'] / r['model_us']:.2f}"] for r in rows]

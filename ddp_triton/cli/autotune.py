@@ -29,6 +29,7 @@ from ..safe_write import OutputError, atomic_write_text, check_writable_target
 from ..tune import autotune as tuner
 from ..tune import processes
 from ..tune.autotune import nccl_tuner_csv_text
+from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR
 from ..tune.step_timing import E2E_HOOKS, load_factory
 from ..versions import nccl_version
 from .args import EXIT_FAILED, EXIT_OK, UsageError, WriteFailed
@@ -209,7 +210,13 @@ def cmd_autotune(args: argparse.Namespace) -> int:
 
 
 def _check_formats(args: argparse.Namespace) -> None:
-    """``--formats``: every name a wire format, no e2e mode, and bucket sizes to choose at."""
+    """``--formats``: every name a wire format, no e2e mode, and bucket sizes to choose at; its timing flags only
+    where formats are timed."""
+    timing_flags = [f for f, v in (("--format-error", args.format_error), ("--format-budget", args.format_budget))
+                    if v is not None]
+    if timing_flags and (args.formats is None or args.model_only):
+        raise UsageError(f"{' and '.join(timing_flags)} are for --formats in measure mode (they bound the timing "
+                         "of each format)")
     if args.formats is None:
         if args.host_cost is not None:
             raise UsageError("--host-cost is for --formats (the host cost the model adds per bucket)")
@@ -354,7 +361,10 @@ def _measure_config(args: argparse.Namespace, topo: Any, backend: str, comm_dtyp
             "algorithms": args.algorithms, "comm_dtype": comm_dtype, "dtypes": dtypes,
             "warmup": args.warmup if args.warmup is not None else 5, "iters": args.iters,
             "progress": not args.no_progress, "formats": args.formats,
-            "format_sizes": _format_sizes(args) if args.formats else None, **_common_profile_kwargs(args)}
+            "format_sizes": _format_sizes(args) if args.formats else None,
+            "format_rel_error": args.format_error if args.format_error is not None else DEFAULT_REL_ERROR,
+            "format_budget_s": args.format_budget if args.format_budget is not None else DEFAULT_BUDGET_S,
+            **_common_profile_kwargs(args)}
 
 
 def _run_workers(worker_name: str, config: Dict[str, Any], nproc: Optional[int], backend: str,

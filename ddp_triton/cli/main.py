@@ -29,8 +29,9 @@ from typing import NoReturn, Optional, Sequence
 
 from .. import __version__
 from ..envinfo import collect_env, format_env
-from ..machine.profile import DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
+from ..machine.profile import CONFIDENCE, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
 from ..machine.topology import PRESETS, TopologyError, load_topology
+from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MIN_ROUNDS
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
                    nonneg_float,
                    nonneg_int, parse_size, positive_float, positive_int)
@@ -143,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also choose the wire format per bucket size among these, comma-separated (default "
                            f"{','.join(DEFAULT_FORMATS)}: no FP8; e.g. fp8e4m3+ef or 'two-level fp8e4m3+ef' too); "
                            "the hook follows it with comm_dtype='auto'")
+    mode.add_argument("--format-error", type=fraction, default=None, metavar="FRACTION",
+                      help="--formats in measure mode: time each format until its median is known within this "
+                           f"fraction ({CONFIDENCE:.0%} interval; default {DEFAULT_REL_ERROR:g})")
+    mode.add_argument("--format-budget", type=nonneg_float, default=None, metavar="SECONDS",
+                      help="--formats in measure mode: seconds the format timings may take, all sizes together "
+                           f"(each still gets its first {MIN_ROUNDS} rounds; default {DEFAULT_BUDGET_S:g})")
     mode.add_argument("--host-cost", choices=("gpu", "cpu"), default=None,
                       help="--formats with --model-only: the host cost per bucket the model adds: gpu (default) "
                            "or cpu (gloo ranks on CPU tensors)")

@@ -24,16 +24,16 @@ import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
-from ..machine.profile import (DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice, FormatRow,
-                               Profile, SweepRow, admitted_formats, cached_or_model_profile, calibrate,
-                               fallback_profile, format_choice, now_iso, profile_from_rows, rows_for_dtype,
-                               save_to_cache)
+from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice,
+                               FormatRow, Profile, SweepRow, admitted_formats, cached_or_model_profile, calibrate,
+                               fallback_profile, format_bytes, format_choice, now_iso, profile_from_rows,
+                               rows_for_dtype, save_to_cache)
 from ..machine.topology import Topology
 from ..safe_write import atomic_write_text
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
 from .step_timing import E2E_HOOKS, run_e2e
-from .format_timing import time_formats
+from .format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MAX_ROUNDS, MIN_ROUNDS, node_count, time_formats
 from .sweep import run_sweep
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
@@ -82,7 +82,8 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                     fraction: float = DEFAULT_FRACTION, model_bytes: Optional[int] = None,
                     min_buckets: int = DEFAULT_MIN_BUCKETS, progress: bool = True,
                     host_us_per_bucket: float = 0.0, formats: Optional[Sequence[str]] = None,
-                    format_sizes: Optional[Sequence[int]] = None) -> Profile:
+                    format_sizes: Optional[Sequence[int]] = None, format_rel_error: float = DEFAULT_REL_ERROR,
+                    format_budget_s: float = DEFAULT_BUDGET_S) -> Profile:
     """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
 
     ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
@@ -91,8 +92,10 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
     collectives. A plan rank 0 cannot make is a ValueError on every rank.
 
     ``formats`` (wire format names): also time a bucket's whole exchange in each of them, per bucket size in
-    ``format_sizes`` (gradient bytes; default 256 KiB to 1 GiB), through the hook's path (``format_timing``), and
-    record the fastest per size range in the profile's ``formats``, beside the cost model's times where it can
+    ``format_sizes`` (gradient bytes; default 256 KiB to 1 GiB), through the hook's path (``format_timing``), until
+    each median is known within ``format_rel_error`` or ``format_budget_s`` seconds are spent, and record the
+    format ``format_rule`` picks per size range in the profile's ``formats`` (the most accurate unless another is
+    faster beyond the noise), with each timing's median and interval, beside the cost model's times where it can
     describe the machine.
     """
     backend = str(dist.get_backend()).lower()
@@ -113,14 +116,19 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                                 model_bytes=model_bytes, min_buckets=min_buckets, notes=notes,
                                 calibration=calibration, host_us_per_bucket=host_us_per_bucket)
     if formats:
-        profile.formats = measure_formats(formats, format_sizes, topo, calibration, backend, world, nodes, warmup,
-                                          iters, progress)
+        profile.formats = measure_formats(formats, format_sizes, topo, calibration, backend, world, warmup,
+                                          progress, format_rel_error, format_budget_s)
     return profile
 
 
 def measure_formats(formats: Sequence[str], sizes: Optional[Sequence[int]], topo: Any, calibration: Any,
-                    backend: str, world: int, nodes: int, warmup: int, iters: int, progress: bool) -> FormatChoice:
-    """Time the admitted formats per bucket size (every rank calls this) and choose the fastest per range."""
+                    backend: str, world: int, warmup: int, progress: bool, rel_error: float = DEFAULT_REL_ERROR,
+                    budget_s: float = DEFAULT_BUDGET_S) -> FormatChoice:
+    """Time the admitted formats per bucket size (every rank calls this) and choose per range by ``format_rule``.
+
+    Formats are admitted on the nodes the runtime sees (``format_timing.node_count``), whatever the topology says:
+    a two-level format the hook would run flat here is timed and recorded as its flat format."""
+    nodes = node_count()
     admitted, replaced = admitted_formats(formats, world, nodes)
     host = cm.GPU_HOST_COST if backend == "nccl" else cm.CPU_HOST_COST
     fabric = None
@@ -129,10 +137,31 @@ def measure_formats(formats: Sequence[str], sizes: Optional[Sequence[int]], topo
             fabric = cm.Fabric.from_topology(topo, calibration=calibration)
         except ValueError:
             fabric = None  # several nodes and no inter-node rate, say: no model column
-    rows = time_formats(list(sizes) if sizes else list(DEFAULT_BUCKET_SIZES), admitted,
-                        warmup=min(warmup, 2), iters=min(iters, 5), progress=progress, fabric=fabric, host=host)
-    return format_choice("measured", formats, [FormatRow.from_dict(r) for r in rows], replaced,
-                         f"measured ({backend}); model column: {host.source}" if fabric else f"measured ({backend})")
+    rows = [FormatRow.from_dict(r) for r in time_formats(list(sizes) if sizes else list(DEFAULT_BUCKET_SIZES),
+                                                         admitted, warmup=min(warmup, 2), rel_error=rel_error,
+                                                         budget_s=budget_s, progress=progress, fabric=fabric,
+                                                         host=host)]
+    choice = format_choice("measured", formats, rows, replaced,
+                           f"measured ({backend}); model column: {host.source}" if fabric else f"measured ({backend})")
+    choice.notes.append(_precision_note(rows, rel_error, budget_s))
+    return choice
+
+
+def _precision_note(rows: Sequence[FormatRow], rel_error: float, budget_s: float) -> str:
+    """How the format timings were taken, and the sizes whose medians the time budget left less precise."""
+    text = (f"timed: rounds of one exchange per format in turn (the slowest rank's time), {MIN_ROUNDS} to "
+            f"{MAX_ROUNDS} per size, until each median is within +-{rel_error:.0%} ({CONFIDENCE:.0%} interval) or "
+            f"the {budget_s:g} s budget is spent")
+    loose: Dict[int, FormatRow] = {}
+    for r in rows:
+        if r.stats.relative_error > rel_error and (r.nbytes not in loose
+                                                     or r.stats.relative_error > loose[r.nbytes].stats.relative_error):
+            loose[r.nbytes] = r
+    if loose:
+        worst = ", ".join(f"{format_bytes(n)} ({r.format} +-{r.stats.relative_error:.0%})"
+                          for n, r in sorted(loose.items()))
+        text += f"; not reached (budget or rounds spent) at: {worst}"
+    return text
 
 
 def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: str,

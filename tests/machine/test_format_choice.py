@@ -1,4 +1,4 @@
-"""The tuner's choice of wire format per bucket size: the accuracy rule for plain bf16, the fastest allowed format
+"""The tuner's choice of wire format per bucket size: the accuracy rule for plain bf16, the format chosen
 per range, the cost model's price of a bucket (wire plus host), and the format names."""
 
 import pytest
@@ -25,9 +25,9 @@ def test_plain_bf16_gives_way_where_its_ring_is_more_than_twice_as_wrong():
     replaced, why = admitted_formats(["fp32", "bf16"], 16, 2)
     assert replaced == ["fp32", "bf16+fp32sum"]
     assert "in place of bf16" in why["bf16+fp32sum"] and f"more than {ERROR_RATIO_LIMIT:g}x" in why["bf16+fp32sum"]
-    # Two-level bf16 is judged at its cross hop: 64 ranks on 8 nodes cross 8 ranks, kept; on 64 nodes, replaced.
+    # Two-level bf16 is judged at its cross hop: 64 ranks on 8 nodes cross 8 ranks, kept; 128 on 64 nodes, replaced.
     assert admitted_formats(["two-level bf16"], 64, 8)[0] == ["two-level bf16"]
-    assert admitted_formats(["two-level bf16"], 64, 64)[0] == ["two-level bf16+fp32sum"]
+    assert admitted_formats(["two-level bf16"], 128, 64)[0] == ["two-level bf16+fp32sum"]
     # Both allowed: one entry.
     assert admitted_formats(["bf16", "bf16+fp32sum"], 64, 8)[0] == ["bf16+fp32sum"]
 
@@ -42,14 +42,17 @@ def test_names_are_canonical_and_bad_ones_refused():
         admitted_formats([], 4, 1)
 
 
-def test_the_fastest_format_per_size_and_ties_keep_the_previous_one():
+def test_modelled_times_switch_only_beyond_the_tolerance_and_ranges_follow_the_sizes():
+    # Rows without intervals (the cost model's) are points: a format displaces another when more than 3% faster.
     rows = [FormatRow(1 << 20, "fp32", 100.0), FormatRow(1 << 20, "fp8e4m3+ef", 150.0),
             FormatRow(1 << 22, "fp32", 300.0), FormatRow(1 << 22, "fp8e4m3+ef", 295.0),  # within 3%: fp32 stays
             FormatRow(1 << 24, "fp32", 1200.0), FormatRow(1 << 24, "fp8e4m3+ef", 500.0)]
     ranges = choose_formats(rows)
     assert [(r.min_bytes, r.max_bytes, r.format) for r in ranges] == [
         (0, 1 << 23, "fp32"), ((1 << 23) + 1, None, "fp8e4m3+ef")]
-    assert "16 MiB: fp8e4m3+ef 500 us, next fp32 1200 us" in ranges[1].reason
+    assert "16 MiB: fp8e4m3+ef 500 us beats fp32 1200 us (kept from the previous size)" in ranges[1].reason
+    assert "4 MiB: fp32 300 us (kept from the previous size); fastest fp8e4m3+ef 295 us is within the noise" \
+        in ranges[0].reason
 
 
 def test_a_bucket_costs_its_wire_and_its_host_work():

@@ -3,7 +3,8 @@
 - `schema`: `Profile` and its rows, validated JSON (the schema is in its docstring), `ddp_kwargs`.
 - `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
 - `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
-- `formats`: the wire format per bucket size, the fastest allowed, and the accuracy rule for plain bf16.
+- `formats`: the wire format per bucket size among those allowed, and the substitutions (plain bf16, flat two-level).
+- `format_rule`: the rule that picks a format from timings (medians, confidence intervals, the accuracy order).
 """
 
 from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB,
@@ -12,14 +13,27 @@ from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BU
                     fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
 from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
                     profile_fingerprint, save_to_cache)
+from .format_rule import (CONFIDENCE, SWITCH_TOLERANCE, FormatDecision, TimingStats, choose_format, decide_format,
+                          median_interval, preference_key, significantly_faster, sorted_by_preference)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
-                      format_choice, model_format_choice, model_format_rows, ring_error)
+                      format_choice, model_format_choice, model_format_rows, ring_error, runs_flat)
 from .schema import (AUTO_FORMAT, BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, SUPPORTED_SCHEMA_VERSIONS,
                      FormatChoice, FormatRange, FormatRow, MiB, Profile, ProfileError, SweepRow, TableEntry,
                      ddp_kwargs, format_bytes, load_profile, now_iso)
 
 __all__ = [
     "AUTO_FORMAT",
+    "CONFIDENCE",
+    "SWITCH_TOLERANCE",
+    "FormatDecision",
+    "TimingStats",
+    "choose_format",
+    "decide_format",
+    "median_interval",
+    "preference_key",
+    "runs_flat",
+    "significantly_faster",
+    "sorted_by_preference",
     "DEFAULT_BUCKET_SIZES",
     "DEFAULT_FORMATS",
     "ERROR_RATIO_LIMIT",

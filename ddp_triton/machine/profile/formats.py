@@ -1,11 +1,12 @@
-"""Which wire format each bucket size travels in: the fastest of the formats a user allows, and the one accuracy rule
-the tuner applies on its own.
+"""Which wire format each bucket size travels in: the format ``format_rule`` picks from the formats a user allows,
+and the two substitutions the tuner makes on its own.
 
 Accuracy is the user's choice (``autotune --formats``), with one exception: a bf16 ring sums in bf16 and rounds
 at every hop, so its error grows with the ranks it crosses, while bf16 with float32 sums sends the same bytes and
 rounds twice whatever the world size. Where ``ring_error`` (a seeded simulation of both sums) puts plain bf16 more
 than ``ERROR_RATIO_LIMIT`` times above bf16 with float32 sums, the latter takes plain bf16's place among the
 allowed formats, and the profile says why. A two-level bf16 is judged at its cross hop's size, the node count.
+And a two-level format where the runtime runs it flat (one node, or one rank per node) is its flat format, named so.
 
 Sizes here are a bucket's gradient bytes (float32 gradients: what DDP's ``bucket_cap_mb`` counts), not the bytes
 on the wire: the hook looks a bucket's format up by its size before it knows how it travels.
@@ -19,6 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import cost_model as cm
+from .format_rule import SWITCH_TOLERANCE, FormatDecision, decide_format
 from .schema import FormatChoice, FormatRange, FormatRow, format_bytes
 
 #: Plain bf16 gives way to bf16 with float32 sums where its modelled error is more than this many times larger.
@@ -27,8 +29,6 @@ ERROR_RATIO_LIMIT = 2.0
 DEFAULT_FORMATS: Tuple[str, ...] = ("fp32", "bf16", "bf16+fp32sum")
 #: Bucket sizes (gradient bytes) the format choice is evaluated at by default: 256 KiB to 1 GiB, powers of two.
 DEFAULT_BUCKET_SIZES: Tuple[int, ...] = tuple(1 << k for k in range(18, 31))
-#: Two formats within this fraction of each other at a size count as tied; the previous size's format is kept.
-FORMAT_TIE_TOLERANCE = 0.03
 
 _SIM_ELEMENTS = 4096
 _TAIL_DF = 3
@@ -68,10 +68,17 @@ def ring_error(world_size: int, fp32_sum: bool, seed: int = 0) -> float:
     return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
 
 
+def runs_flat(world_size: int, nodes: int) -> bool:
+    """Does a two-level exchange run flat on ``world_size`` ranks over ``nodes`` nodes (as the runtime's node groups
+    decide: one node, or one rank per node)?"""
+    return nodes <= 1 or nodes >= world_size
+
+
 def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tuple[List[str], Dict[str, str]]:
     """The formats the tuner chooses among, and for each that stands in for another, why: each name canonical
-    (ValueError on an unknown one), and plain bf16 (flat, or two-level across ``nodes``) replaced by bf16 with
-    float32 sums where ``ring_error`` puts it more than ``ERROR_RATIO_LIMIT`` times worse."""
+    (ValueError on an unknown one); a two-level format that runs flat here (``runs_flat``) as its flat format; and
+    plain bf16 (flat, or two-level across ``nodes``) replaced by bf16 with float32 sums where ``ring_error`` puts it
+    more than ``ERROR_RATIO_LIMIT`` times worse."""
     if not allowed:
         raise ValueError("no wire formats allowed: name at least one")
     names: List[str] = []
@@ -79,22 +86,32 @@ def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tup
         canonical = cm.parse_format(name).name
         if canonical not in names:
             names.append(canonical)
-    reasons: Dict[str, str] = {}
+    flat = runs_flat(world_size, nodes)
+    shape = f"one node of {world_size} ranks" if nodes <= 1 else f"one rank on each of {nodes} nodes"
+    reasons: Dict[str, List[str]] = {}
     out: List[str] = []
     for name in names:
         fmt = cm.parse_format(name)
+        why: List[str] = []
+        if fmt.two_level and flat:
+            fmt = cm.FormatName(fmt.wire, fmt.fp32_sum, fmt.error_feedback, two_level=False)
+            why.append(f"in place of {name}: on {shape} a two-level exchange runs flat, as {fmt.name}")
+            name = fmt.name
         if fmt.wire == "bf16" and not fmt.fp32_sum:
             ranks = nodes if fmt.two_level else world_size
             plain, summed = ring_error(ranks, False), ring_error(ranks, True)
             if plain > ERROR_RATIO_LIMIT * summed:
                 replacement = cm.FormatName("bf16", fp32_sum=True, two_level=fmt.two_level).name
-                reasons[replacement] = (f"in place of {name}: a bf16 ring over {ranks} ranks is modelled at "
-                                        f"{plain:.2%} relative error against {summed:.2%} with float32 sums (more "
-                                        f"than {ERROR_RATIO_LIMIT:g}x; the same bytes on the wire)")
+                why.append(f"in place of {name}: a bf16 ring over {ranks} ranks is modelled at {plain:.2%} relative "
+                           f"error against {summed:.2%} with float32 sums (more than {ERROR_RATIO_LIMIT:g}x; the "
+                           "same bytes on the wire)")
                 name = replacement
         if name not in out:
             out.append(name)
-    return out, reasons
+        for text in why:
+            if text not in reasons.setdefault(name, []):
+                reasons[name].append(text)
+    return out, {name: "; ".join(texts) for name, texts in reasons.items()}
 
 
 def model_format_rows(fabric: cm.Fabric, formats: Sequence[str], sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
@@ -109,53 +126,40 @@ def model_format_rows(fabric: cm.Fabric, formats: Sequence[str], sizes: Sequence
     return rows
 
 
-def choose_formats(rows: Sequence[FormatRow], tie_tolerance: float = FORMAT_TIE_TOLERANCE,
+def choose_formats(rows: Sequence[FormatRow], tolerance: float = SWITCH_TOLERANCE,
                    replaced: Optional[Mapping[str, str]] = None) -> List[FormatRange]:
-    """Contiguous ranges of the fastest format per size (a size between two evaluated ones follows the nearer in
-    log scale, as ``build_table`` does for algorithms); within ``tie_tolerance`` the previous size's format stays.
-    Each range's reason names the times it was chosen on, and ``replaced[format]`` why a format stands where
-    another was allowed."""
-    by_size: Dict[int, Dict[str, float]] = {}
+    """Contiguous ranges of the format ``format_rule.decide_format`` picks per size, from the smallest size up, each
+    size's baseline the previous size's choice (a format is kept over neighbouring sizes unless another beats it
+    beyond the noise); a size between two evaluated ones follows the nearer in log scale, as ``build_table`` does
+    for algorithms. Each range's reason names the times it was chosen on, and ``replaced[format]`` why a format
+    stands where another was allowed."""
+    by_size: Dict[int, Dict[str, FormatRow]] = {}
     for r in rows:
-        by_size.setdefault(r.nbytes, {})[r.format] = r.time_us
+        by_size.setdefault(r.nbytes, {})[r.format] = r
     if not by_size:
         raise ValueError("no format timings to choose from")
     sizes = sorted(by_size)
-    picks: List[str] = []
+    decisions: List[FormatDecision] = []
     for size in sizes:
-        times = by_size[size]
-        fastest = min(times, key=lambda f: times[f])
-        if picks and picks[-1] in times and times[picks[-1]] <= times[fastest] * (1.0 + tie_tolerance):
-            fastest = picks[-1]
-        picks.append(fastest)
+        incumbent = decisions[-1].format if decisions else None
+        decisions.append(decide_format({f: row.stats for f, row in by_size[size].items()}, incumbent, tolerance))
     ranges: List[FormatRange] = []
     covered: List[List[int]] = []
-    for i, (size, fmt) in enumerate(zip(sizes, picks)):
+    for i, (size, decision) in enumerate(zip(sizes, decisions)):
         hi = math.isqrt(size * sizes[i + 1]) if i + 1 < len(sizes) else None
-        if ranges and ranges[-1].format == fmt:
+        if ranges and ranges[-1].format == decision.format:
             ranges[-1].max_bytes = hi
-            covered[-1].append(size)
+            covered[-1].append(i)
         else:
             lo = 0 if not ranges else ranges[-1].max_bytes + 1  # type: ignore[operator]
-            ranges.append(FormatRange(lo, hi, fmt, ""))
-            covered.append([size])
+            ranges.append(FormatRange(lo, hi, decision.format, ""))
+            covered.append([i])
     for r, evaluated in zip(ranges, covered):
-        r.reason = _reason(r.format, evaluated, by_size, replaced or {})
+        ends = (evaluated[0], evaluated[-1]) if len(evaluated) > 1 else (evaluated[0],)
+        r.reason = "; ".join(f"{format_bytes(sizes[i])}: {decisions[i].reason}" for i in ends)
+        if r.format in (replaced or {}):
+            r.reason += f"; {replaced[r.format]}"  # type: ignore[index]
     return ranges
-
-
-def _reason(fmt: str, sizes: List[int], by_size: Dict[int, Dict[str, float]], replaced: Mapping[str, str]) -> str:
-    """"fastest allowed", with its time and the runner-up's at the range's first and last evaluated size."""
-    wins = []
-    for size in (sizes[0], sizes[-1]) if len(sizes) > 1 else (sizes[0],):
-        times = by_size[size]
-        others = sorted((t, f) for f, t in times.items() if f != fmt)
-        against = f", next {others[0][1]} {others[0][0]:.0f} us" if others else ""
-        wins.append(f"{format_bytes(size)}: {fmt} {times[fmt]:.0f} us{against}")
-    text = "fastest allowed (" + "; ".join(wins) + ")"
-    if fmt in replaced:
-        text += f"; {replaced[fmt]}"
-    return text
 
 
 def format_choice(source: str, allowed: Sequence[str], rows: Sequence[FormatRow], replaced: Mapping[str, str],

@@ -34,8 +34,11 @@ Schema, version 3 (``SCHEMA_VERSION``)::
         "allowed": ["fp32", "bf16", "bf16+fp32sum"],   # what the user accepts (runtime names, canonical)
         "admitted": ["fp32", "bf16+fp32sum"],          # what was chosen among, after the accuracy rule
         "table": [                              # by the bucket's gradient bytes, contiguous from 0, last unbounded
-          {"min_bytes": 0, "max_bytes": 741455, "format": "fp32", "reason": "fastest allowed (...)"}, ...],
-        "rows": [{"bytes": 262144, "format": "fp32", "time_us": 80.5, "model_us": 75.0}, ...],  # model_us: null
+          {"min_bytes": 0, "max_bytes": 741455, "format": "fp32", "reason": "256 KiB: fp32 ... (why)"}, ...],
+        "rows": [{"bytes": 262144, "format": "fp32", "time_us": 80.5, "model_us": 75.0,    # model_us: null
+                  "interval_us": [78.1, 83.0], "samples": 12}, ...],  # measured: time_us is the median of
+                                                # samples timings, interval_us the confidence interval on it the
+                                                # choice was made on (format_rule); null (or absent): a point
         "host": "...",                          # where the host cost per bucket came from
         "notes": ["bf16+fp32sum in place of bf16: ..."]},
       "notes": ["..."]
@@ -63,6 +66,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from ...dtypes import normalize_dtype
 from ...safe_write import OutputError, atomic_write_text
 from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration, parse_format
+from .format_rule import TimingStats
 
 SCHEMA_VERSION = 3
 #: Versions ``from_dict`` reads: 1 (before calibrations) and 2 (before formats) are read as 3 without them.
@@ -80,9 +84,13 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 class ProfileError(ValueError):
-    """A profile file that cannot be used: unreadable, not JSON, invalid, another schema version, or a mismatch."""
+    """A profile file that cannot be used: unreadable, not JSON, invalid, another schema version, or a mismatch.
+
+    ``path`` is the file (None when there is none), ``reason`` the message without it.
+    """
 
     def __init__(self, message: str, path: Optional[PathLike] = None):
+        self.reason = message
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
@@ -118,7 +126,7 @@ _PROFILE_FIELDS = _PROFILE_FIELDS_V2 + ("formats",)
 _FIELDS_BY_VERSION = {1: _PROFILE_FIELDS_V1, 2: _PROFILE_FIELDS_V2, 3: _PROFILE_FIELDS}
 _FORMATS_FIELDS = ("source", "allowed", "admitted", "table", "rows", "host", "notes")
 _FORMAT_RANGE_FIELDS = ("min_bytes", "max_bytes", "format", "reason")
-_FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us")
+_FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us", "interval_us", "samples")
 _TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
 _SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
 
@@ -244,8 +252,13 @@ class FormatRow:
     nbytes: int
     format: str
     time_us: float
+    """The median of the timings (measured), or the modelled time."""
     model_us: Optional[float] = None
     """The cost model's time for it (wire and host); None when the model could not describe the machine."""
+    interval_us: Optional[Tuple[float, float]] = None
+    """The confidence interval on the median (``format_rule.median_interval``); None: a point (modelled)."""
+    samples: Optional[int] = None
+    """How many timings the median and interval come from; None: a point."""
 
     def __post_init__(self) -> None:
         where = "format row"
@@ -254,15 +267,34 @@ class FormatRow:
         self.time_us = _finite_nonneg(self.time_us, "time_us", where)
         if self.model_us is not None:
             self.model_us = _finite_nonneg(self.model_us, "model_us", where)
+        if self.interval_us is not None:
+            if not isinstance(self.interval_us, (list, tuple)) or len(self.interval_us) != 2:
+                raise ValueError(f"{where}: interval_us must be [low, high] or null, got {self.interval_us!r}")
+            lo, hi = (_finite_nonneg(v, "interval_us", where) for v in self.interval_us)
+            if not lo <= self.time_us <= hi:
+                raise ValueError(f"{where}: interval_us {[lo, hi]} must hold time_us {self.time_us}")
+            self.interval_us = (lo, hi)
+        if self.samples is not None:
+            self.samples = _int(self.samples, "samples", where, 1)
+
+    @property
+    def stats(self) -> TimingStats:
+        """The timing as the format rule reads it: a point without an interval."""
+        if self.interval_us is None:
+            return TimingStats.point(self.time_us)
+        return TimingStats(self.time_us, self.interval_us[0], self.interval_us[1], self.samples or 1)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"bytes": self.nbytes, "format": self.format, "time_us": self.time_us, "model_us": self.model_us}
+        return {"bytes": self.nbytes, "format": self.format, "time_us": self.time_us, "model_us": self.model_us,
+                "interval_us": None if self.interval_us is None else list(self.interval_us),
+                "samples": self.samples}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FormatRow":
         if not isinstance(d, Mapping):
             raise ValueError(f"format row must be an object, got {d!r}")
-        return cls(nbytes=d["bytes"], format=d["format"], time_us=d["time_us"], model_us=d.get("model_us"))
+        return cls(nbytes=d["bytes"], format=d["format"], time_us=d["time_us"], model_us=d.get("model_us"),
+                   interval_us=d.get("interval_us"), samples=d.get("samples"))
 
 
 @dataclass
