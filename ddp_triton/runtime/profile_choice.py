@@ -13,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
-from ..log import logger, warn_once
+from ..log import logger
 from ..versions import nccl_version
-from ..machine.profile import (AUTO_FORMAT, Profile, ProfileError, find_cached_profile, load_profile, model_profile,
-                               profile_fingerprint)
+from ..machine.profile import AUTO_FORMAT, Profile, ProfileError, find_cached_profile, load_profile, profile_fingerprint
 from ..machine.topology import Topology, TopologyError, apply_launch_env, load_topology
 from .algo_groups import check_nccl_support, check_profile_agreement, check_wire_agreement, make_algorithm_groups
 
@@ -36,18 +35,6 @@ def _this_topology() -> Optional[Topology]:
         return None
 
 
-def _model_profile(backend: str, comm_dtype: str) -> Optional[Profile]:
-    """The cost model's profile for this machine, or None when it cannot be modelled (no topology, no NIC rate)."""
-    topology = _this_topology()
-    if topology is None or backend != "nccl" or comm_dtype == AUTO_FORMAT:  # the model chooses no formats alone
-        return None
-    try:
-        return model_profile(topology, comm_dtype=comm_dtype)
-    except ValueError as exc:  # e.g. several nodes and no inter-node rate: NVML cannot see network cards
-        warn_once(f"triton_hook: no cost-model profile for this machine ({exc}); NCCL chooses", all_ranks=True)
-        return None
-
-
 def check_profile_spec(spec: Any) -> None:
     """Refuse, before anything is resolved, a ``profile`` argument of a kind ``resolve_profile`` does not take."""
     if spec is not None and not isinstance(spec, (str, os.PathLike, Profile)):
@@ -58,9 +45,10 @@ def resolve_profile(spec: Any, world_size: int, comm_dtype: Any, backend: str) -
     """The Profile a state of this world size, comm dtype (or ``"auto"``: one that chooses formats) and backend
     follows, or None to leave the algorithm to NCCL.
 
-    ``spec`` is None, "auto" (the cached profile for this topology if there is one: NCCL's own choice otherwise),
-    a path (a corrupt or mismatched file warns and falls back to the cost model), or a Profile (a mismatch with the
-    run is an error: the caller built it).
+    ``spec`` is None, "auto" (the cached profile for this topology if there is one: NCCL's own choice otherwise,
+    with a warning when the cached file cannot be used), a path or a Profile. What the user names is used or refused:
+    a file that cannot be read, is not a profile, or was made for another run, and a Profile that does not match the
+    run, are a ProfileError naming the file and why. Not collective: ``bind_profile`` makes every rank raise together.
     """
     dtype = AUTO_FORMAT if comm_dtype == AUTO_FORMAT else normalize_dtype(comm_dtype)
     if spec is None:
@@ -79,10 +67,11 @@ def resolve_profile(spec: Any, world_size: int, comm_dtype: Any, backend: str) -
         try:
             profile = load_profile(spec)
             profile.check_matches(world_size=world_size, comm_dtype=dtype, path=spec)
-            return profile
         except ProfileError as exc:
-            warn_once(f"triton_hook: {exc}; falling back to the cost model", all_ranks=True)
-            return _model_profile(backend, dtype)
+            raise ProfileError(f"{exc.reason}; profile= names this file, so nothing stands in for it: fix the "
+                               "file or the path, write it again for this job (`ddp-triton autotune --out PATH`), "
+                               "or pass profile='auto' (the cached profile, else NCCL's choice)", exc.path) from None
+        return profile
     raise TypeError(f"profile must be None, 'auto', a path or a Profile, got {type(spec).__name__}")
 
 
@@ -94,15 +83,22 @@ def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, bac
     wait forever in group creation while one without it trains on. Over the whole world, because group creation is
     too; a state of a subgroup that was given no profile creates no group and compares within its group (the other
     ranks may never build one). A rank that cannot run the profile (its NCCL lacks an algorithm) shows a digest of
-    its own, so every rank fails here together. The ranks' wire formats are compared in ``group`` as well.
+    its own, so every rank fails here together. The ranks' wire formats are compared in ``group`` as well. Before
+    all that, the ranks exchange whether they could resolve their profile: a file one rank cannot use (unreadable
+    there, say) is an error on every rank, raised together (``_raise_together``).
     """
-    profile = None if spec is None else resolve_profile(spec, world_size, comm_dtype, backend)
+    failure: Optional[Exception] = None
+    try:
+        profile = None if spec is None else resolve_profile(spec, world_size, comm_dtype, backend)
+    except Exception as exc:  # raised below, after the ranks have compared: alone, it would leave the others waiting
+        profile, failure = None, exc
     unusable = _unusable_here(profile, backend)
     use_device = torch.cuda.device(device) if device is not None and device.type == "cuda" \
         else contextlib.nullcontext()
     agreement_group = group if spec is None and group is not dist.group.WORLD else dist.group.WORLD
     groups: Dict[str, Any] = {}
     with use_device:  # NCCL's collectives here run on the current device: make it the model's
+        _raise_together(failure, agreement_group, given=_describe_spec(spec))
         check_profile_agreement(profile if unusable is None else unusable, agreement_group,
                                 given=_describe_spec(spec))
         check_wire_agreement(wire_format, group)
@@ -111,6 +107,26 @@ def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, bac
         if profile is not None:
             groups = make_algorithm_groups(profile.algorithms(), group)
     return profile, groups
+
+
+def _raise_together(failure: Optional[Exception], group: Any, given: str) -> None:
+    """Raise on every rank of ``group`` when some rank could not resolve its profile: its own error on that rank, on
+    the others a ProfileError naming the first rank that failed and its reason. One all_gather_object, issued by
+    every rank whatever it holds."""
+    if dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return
+    reasons: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
+    if failure is not None:
+        raise failure
+    failed = [(rank, reason) for rank, reason in zip(dist.get_process_group_ranks(group), reasons)
+              if reason is not None]
+    if failed:
+        rank, reason = failed[0]
+        raise ProfileError(f"rank(s) {[r for r, _ in failed]} cannot use the profile they were given, so every rank "
+                           f"stops before training (this rank was given {given}); rank {rank}: {reason}")
 
 
 def _unusable_here(profile: Optional[Profile], backend: str) -> Optional["_UnusableProfile"]:

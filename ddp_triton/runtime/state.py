@@ -71,8 +71,10 @@ class CommState:
     profile with formats is found every bucket travels in bfloat16, and every rank warns."""
     profile: ProfileSpec = "auto"
     """Autotuned per-size NCCL algorithm choice: "auto" (this machine's cached profile if there is one, else NCCL's
-    own choice), a path to a profile JSON (corrupt or mismatched: the cost model's), a Profile, or None (NCCL's).
-    Kept as given, also when pickled; the Profile followed is ``active_profile``."""
+    own choice, with a warning when the cached file cannot be used), a path to a profile JSON, a Profile, or None
+    (NCCL's). A path or Profile that cannot be used (unreadable, not a profile, made for another world size or
+    dtype) is a ProfileError on every rank when the state binds, before any bucket is sent. Kept as given, also
+    when pickled; the Profile followed is ``active_profile``."""
     device: Optional[torch.device] = None
     """CUDA device for the collectives run while the state is built (profile check, algorithm groups); default the
     current device. ``register`` passes the model's, so a job that never called ``torch.cuda.set_device`` works.

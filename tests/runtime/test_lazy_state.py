@@ -8,6 +8,7 @@ reduction does (x * 0.5 is x / 2 exactly, then the same sum), so the weights are
 """
 
 import copy
+import os
 import pickle
 
 import pytest
@@ -20,6 +21,7 @@ from dist_utils import init_gloo, run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
 from ddp_triton.runtime.state import CommState
 from ddp_helpers import local_backward, make_data, make_model, train_ddp, two_range_profile
+from ddp_triton.machine.profile import ProfileError
 
 STEPS = 4
 
@@ -122,3 +124,29 @@ def _disagreement_worker(rank, world_size):
 
 def test_ranks_disagreeing_on_a_lazy_profile_all_fail_at_the_first_bucket():
     lazy_workers(_disagreement_worker, 2)
+
+
+def _unreadable_on_one_rank_worker(rank, world_size, tmp, at):
+    path = os.path.join(tmp, f"tuned-rank{rank}.json")  # node-local: rank 1's copy is missing
+    if rank == 0:
+        two_range_profile(world_size).save(path)
+    # given before any group exists: the file is read when the state binds, on every rank
+    state = CommState(comm_dtype=torch.float32, profile=path)
+    init_gloo(rank, world_size)
+    ddp = DDP(make_model())
+    expected = "cannot read profile: No such file" if rank == 1 else r"rank\(s\) \[1\] cannot use the profile"
+    if at == "register":
+        with pytest.raises(ProfileError, match=expected):
+            ddp_triton.register(ddp, state=state)
+        assert ddp._comm_hooks == []
+    else:  # torch's way: the state binds at its first bucket, inside DDP's backward, and every rank raises there
+        ddp.register_comm_hook(state, ddp_triton.triton_hook)
+        x, y = make_data(0)
+        with pytest.raises(ProfileError, match=expected):
+            local_backward(ddp, x, y, rank, world_size)
+    assert not state.bound and state.passes == 0
+
+
+@pytest.mark.parametrize("at", ["register", "first-bucket"])
+def test_a_profile_file_missing_on_one_rank_fails_every_rank_when_a_lazy_state_binds(tmp_path, at):
+    lazy_workers(_unreadable_on_one_rank_worker, 2, str(tmp_path), at)

@@ -218,15 +218,10 @@ def test_mixed_formats_resume_from_a_checkpoint_bit_identically(tmp_path):
     torch_path_workers(_resume_worker, 3, str(tmp_path))
 
 
-def _fallback_and_disagreement_worker(rank, world_size, tmp):
-    # A profile without formats: every rank warns and sends bf16 (one all-reduce per bucket).
-    plain = Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype="bfloat16",
-                    bucket_cap_mb=1.0, table=[TableEntry(0, None, "ring")])
-    path = f"{tmp}/plain.json"
-    if rank == 0:
-        plain.save(path)
-    torch.distributed.barrier()
-    state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=path)
+def _fallback_and_disagreement_worker(rank, world_size):
+    # No profile with formats found ("auto" on gloo finds none): every rank warns and sends bf16 (one all-reduce per
+    # bucket). A file named by the user that chooses no formats is refused instead (test_hook_profile.py).
+    state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile="auto")
     assert state.formats is None and state.wire.name == "bf16"
     # The formats a state binds are those its table uses (what the ranks' profile check covers), not every one the
     # profile admitted: an unused two-level format binds no node groups.
@@ -251,8 +246,8 @@ def _fallback_and_disagreement_worker(rank, world_size, tmp):
         ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=mixed_profile(world_size, table))
 
 
-def test_a_profile_without_formats_falls_back_to_bf16_and_disagreeing_ranks_fail_together(tmp_path):
-    torch_path_workers(_fallback_and_disagreement_worker, 2, str(tmp_path))
+def test_no_profile_with_formats_falls_back_to_bf16_and_disagreeing_ranks_fail_together():
+    torch_path_workers(_fallback_and_disagreement_worker, 2)
 
 
 @pytest.mark.parametrize("options, match", [
