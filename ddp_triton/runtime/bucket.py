@@ -15,7 +15,7 @@ the future DDP waits on, which completes once the bucket holds the mean. Two kin
   the format between nodes, all-gather in the node).
 
 A failed collective fails the future (``then_unpack``): the backward fails on this rank instead of training on with
-local gradients.
+local gradients, with a message naming the collective and the bucket (``collective_errors.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from .collective_errors import completed
 from .exchange import (ExchangeQueue, StagedExchange, all_reduce_exchange, all_reduce_options,
                        block_fp8_exchange, float32_sum_exchange)
 from .nodes import NodeGroups
@@ -71,17 +72,18 @@ def _nothing() -> None:
 
 
 def then_unpack(
-    reduced: torch.futures.Future, unpack: Callable[[], None], buffer: torch.Tensor
+    reduced: torch.futures.Future, unpack: Callable[[], None], buffer: torch.Tensor, subject: str = "a bucket"
 ) -> torch.futures.Future[torch.Tensor]:
     """A future of ``buffer`` that completes once ``reduced`` has and ``unpack`` has run, or fails with its error.
 
     ``Future.then`` runs its callback even when the future failed; reading the value re-raises the collective's
     error, so a failed all-reduce (a dead peer, a timeout) fails the backward on this rank instead of unpacking
-    the un-reduced buffer and training on with local gradients.
+    the un-reduced buffer and training on with local gradients. The error names the all-reduce of ``subject``
+    and says a peer is gone (``collective_errors.CollectiveError``), the backend's words in it.
     """
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # raises if the all-reduce failed
+        completed(fut, "all_reduce", subject)
         unpack()  # on CUDA this runs on a stream ordered after the all-reduce
         return buffer
 
@@ -114,6 +116,8 @@ class BucketComm:
         self.exchange: Optional[StagedExchange] = None
         """For the formats summed in float32 (16-bit ones over three or more ranks) and the two-level ones: the
         staged exchange; None for an all-reduce."""
+        self.subject = "a bucket"
+        """What a failed collective's message says it carried: "bucket 3 (bf16 wire)", set at binding."""
 
     @property
     def valid(self) -> bool:
@@ -147,7 +151,8 @@ class AllReduceComm(BucketComm):
         return reduced.then(self._finish)
 
     def _finish(self, fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # raises if the all-reduce failed: the backward fails instead of training on local gradients
+        # raises if the all-reduce failed: the backward fails instead of training on local gradients
+        completed(fut, "all_reduce", self.subject)
         self.unpack()
         return self.buffer
 
@@ -157,7 +162,7 @@ class AllReduceComm(BucketComm):
         with watch.phase("all_reduce"):
             reduced = self.group.allreduce(self._tensors, self.opts).get_future()
         self.record.passes += 1
-        return then_unpack(reduced, watch.unpack(self.unpack), self.buffer)
+        return then_unpack(reduced, watch.unpack(self.unpack), self.buffer, self.subject)
 
 
 class ShardedComm(BucketComm):
@@ -222,6 +227,9 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
     else:
         entry = _bind_all_reduce(buffer, index, wire.comm_dtype, backend, pre_scale, post_scale, stats, group_for,
                                  queue if queue_all_reduce else None, wire.name if wire.sharded else None)
+    entry.subject = f"bucket {index} ({wire.name} wire)" if index is not None else f"a bucket ({wire.name} wire)"
+    if entry.exchange is not None:
+        entry.exchange.subject = entry.subject
     if mixed and not wire.error_feedback and sum(sizes) == buffer.numel():
         owed = residuals.take_for_fold(tuple(map(id, params)), sizes, group, buffer.device)
         if owed is not None:

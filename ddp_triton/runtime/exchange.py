@@ -23,6 +23,8 @@ reduce-scatters, cross exchanges and all-gathers are on three groups, so a bucke
 the bucket before is still between nodes, and its cross exchange queues right behind that bucket's. Any error (a
 failed collective, a kernel's) fails that bucket's future, so the backward fails on this rank as with one
 all-reduce; one that leaves collectives unissued fails every later bucket of the state too (its peers issued them).
+A collective's failure is told as ``collective_errors.py`` words it (which collective of which bucket, and that a peer
+is gone), and the bucket's future fails as DDP can read it (``HookResult``).
 
 The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
 queue (``ExchangeQueue.ordered``): they are issued after every collective the pending buckets owe and before the
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
+from .collective_errors import HookResult, collective_error, completed, waited
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 from .wire import WireFormat
@@ -70,9 +73,11 @@ class StagedExchange:
     (writing DDP's bucket) on the last collective's completion."""
 
     def __init__(self, buffer: torch.Tensor, stages: Sequence[Stage], finish: Callable[[], None],
-                 held: Sequence[torch.Tensor]) -> None:
+                 held: Sequence[torch.Tensor], subject: str = "a bucket") -> None:
         self.buffer = buffer
         """DDP's bucket buffer."""
+        self.subject = subject
+        """What a failed collective's message says it carried: "bucket 3 (fp8e4m3+ef wire)"."""
         self.stages, self.finish = tuple(stages), finish
         self.held = tuple(held)
         """The buffers the exchange holds (its memory), the first what its first collective is handed."""
@@ -108,7 +113,7 @@ class _Run:
     """One bucket's exchange in flight: the next stage to run, the Work of the collective issued last; ``watch``
     (telemetry.Watch) records its phases, or None."""
 
-    def __init__(self, exchange: StagedExchange, result: torch.futures.Future, watch: Any) -> None:
+    def __init__(self, exchange: StagedExchange, result: HookResult, watch: Any) -> None:
         self.exchange, self.result, self.watch = exchange, result, watch
         self.next = 0
         self.work: Any = None
@@ -128,13 +133,21 @@ class _Run:
             with self.phase(stage.compute_phase):
                 stage.compute()
         with self.phase(stage.collective_phase):
-            self.work = stage.issue()
+            try:
+                self.work = stage.issue()
+            except RuntimeError as exc:  # a backend that fails at the issue (a peer known gone)
+                raise collective_error(stage.collective_phase, self.exchange.subject, exc) from exc
         self.next += 1
         self.computed = False
 
     @property
     def issued_all(self) -> bool:
         return self.next == len(self.exchange.stages)
+
+    def waited(self) -> None:
+        """Wait for the collective issued last (on CUDA, ordering this stream after it); a CollectiveError naming
+        it if it failed."""
+        waited(self.work.get_future(), self.exchange.stages[self.next - 1].collective_phase, self.exchange.subject)
 
 
 class ExchangeQueue:
@@ -168,8 +181,7 @@ class ExchangeQueue:
         """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the
         bucket's telemetry (profiler ranges, timing) for this pass, or None. ``last``: the backward's last bucket,
         after which every pending stage is issued here."""
-        devices = [exchange.buffer.device] if exchange.buffer.is_cuda else None
-        result = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        result = HookResult([exchange.buffer.device] if exchange.buffer.is_cuda else None)
         run = _Run(exchange, result, watch)
         try:
             # The first computation (the pack) touches this bucket's buffers only: outside the lock, so that
@@ -179,16 +191,16 @@ class ExchangeQueue:
         except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
             with self._lock:
                 self._break(exc)
-            _fail(result, exc)
-            return result
+            result.fail(exc)
+            return result.future
         run.computed = True
         try:
             with self._lock:
                 try:
-                    self._check_intact()
+                    self._check_intact(exchange.subject)
                 except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
-                    _fail(result, exc)
-                    return result
+                    result.fail(exc)
+                    return result.future
                 # Its first collective goes out now, or, where an earlier bucket still owes one on its group, once
                 # that one is issued: by a completion, without holding the backward here.
                 self._runs.append(run)
@@ -199,7 +211,7 @@ class ExchangeQueue:
                 self._watch_works()
         finally:
             self._poke_if_wanted()
-        return result
+        return result.future
 
     # ---- progress ------------------------------------------------------------------------------------------------
 
@@ -243,10 +255,10 @@ class ExchangeQueue:
         failed, on an error."""
         try:
             if run.work is not None:
-                run.work.get_future().wait()  # raises if it failed; on CUDA, orders this stream after it
+                run.waited()
             run.run_next()
         except Exception as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
-            _fail(run.result, exc)
+            run.result.fail(exc)
             self._break(exc)
             return False
         return True
@@ -256,29 +268,32 @@ class ExchangeQueue:
         if self._broken is None:
             self._broken = exc
         for run in self._runs:
-            _fail(run.result, self._broken_error())
+            run.result.fail(self._broken_error(run.exchange.subject))
         self._runs.clear()
 
-    def _broken_error(self) -> RuntimeError:
-        return RuntimeError(f"triton_hook: an earlier bucket's exchange failed on this rank ({self._broken!r}) with "
-                            "collectives its peers issued left unissued here, so this state's collectives no "
-                            "longer pair with theirs; the job must stop (or build a new state on new groups)")
+    def _broken_error(self, subject: str) -> RuntimeError:
+        """The error of what comes after a failed exchange: it leads with that failure's own message."""
+        return RuntimeError(f"{self._broken} ({subject} not exchanged: another bucket's exchange failed on this "
+                            "rank first, leaving collectives its peers issued unissued here, so this state's "
+                            "collectives no longer pair with theirs; the job must stop, or build a new state on new "
+                            "groups)")
 
-    def _check_intact(self) -> None:
+    def _check_intact(self, subject: str = "a collective of this state") -> None:
         if self._broken is not None:
-            raise self._broken_error()
+            raise self._broken_error(subject)
 
     def _finish_when_done(self, run: _Run) -> None:
         exchange, result = run.exchange, run.result
         unpack = run.watch.unpack(exchange.finish) if run.watch is not None else exchange.finish
+        collective = exchange.stages[-1].collective_phase
 
         def finish(fut: torch.futures.Future) -> None:
             try:
-                fut.value()  # raises if the last collective failed
+                completed(fut, collective, exchange.subject)
                 unpack()
-                result.set_result(exchange.buffer)
+                result.set(exchange.buffer)
             except BaseException as exc:  # noqa: BLE001
-                _fail(result, exc)
+                result.fail(exc)
 
         run.work.get_future().then(finish)
 
@@ -307,11 +322,6 @@ class ExchangeQueue:
     def _poke_if_wanted(self) -> None:
         if self._wanted:
             self._poke()
-
-
-def _fail(result: torch.futures.Future, exc: BaseException) -> None:
-    if not result.done():
-        result.set_exception(exc)
 
 
 def all_reduce_options(op: Any) -> Any:

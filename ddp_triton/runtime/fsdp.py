@@ -48,6 +48,9 @@ sharded gradient), so the calls are bound to the group, not to buffers: each run
 GPU its compiled launcher takes their addresses directly, without Triton's per-call argument handling. Nothing of a
 step's buffers is held after it.
 
+A failed collective (a peer gone) raises a ``CollectiveError`` naming it and the FSDP module
+(``collective_errors.py``), as DDP's hook does.
+
 Not here yet: the distributed checkpoint's planner for the residuals.
 """
 
@@ -63,6 +66,7 @@ from .. import kernels
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
+from .collective_errors import run_collective
 from .exchange import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
@@ -90,9 +94,11 @@ def cached_layout(sizes: Tuple[int, ...], n_shards: int, cached: Optional[BlockL
 class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP2's reduce-scatter of one FSDP module's gradients in ``wire``."""
 
-    def __init__(self, wire: WireFormat, module: Any) -> None:
+    def __init__(self, wire: WireFormat, module: Any, name: str = "") -> None:
         self.wire = wire
         self.module = module
+        self.subject = f"the gradients of FSDP module {_module_label(name, module)} ({wire.name} wire)"
+        """What a failed collective's message says it carried."""
         self.calls = 0
         """Reduce-scatters run (every backward, per FSDP group)."""
         self.layout: Optional[BlockLayout] = None
@@ -114,7 +120,8 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         self.calls += 1
         wire = self.wire
         if wire.comm_dtype == torch.float32:
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return run_collective("reduce_scatter", self.subject, dist.reduce_scatter_tensor, output_tensor,
+                                  input_tensor, op=op, group=group, async_op=async_op)
         if async_op:
             raise ValueError("ddp_triton's FSDP reduce-scatter runs its 16-bit exchange to its end: FSDP2 calls it "
                              "with async_op=False; a caller that needs a Work should call it so")
@@ -128,7 +135,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), input_tensor, send)
         if wire.sharded:  # all-to-all, then the float32 sum of the N copies of this rank's rows
             received = torch.empty_like(send)
-            dist.all_to_all_single(received, send, group=group)
+            run_collective("all_to_all", self.subject, dist.all_to_all_single, received, send, group=group)
             unscaled = output_tensor.dtype == torch.float32 or (output_tensor.dtype == wire.comm_dtype and post == 1.0)
             # else the float32 sum, scaled, then one rounding into the reduce dtype
             total = output_tensor if unscaled else torch.empty(output_tensor.numel(), dtype=torch.float32,
@@ -139,7 +146,8 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
                 return None
         else:  # the reduce-scatter itself in the 16-bit dtype
             shard = torch.empty(output_tensor.numel(), dtype=wire.comm_dtype, device=output_tensor.device)
-            dist.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM, group=group)
+            run_collective("reduce_scatter", self.subject, dist.reduce_scatter_tensor, shard, send,
+                           op=dist.ReduceOp.SUM, group=group)
             run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), shard,
                 output_tensor)  # scaled in float32, rounded once
             return None
@@ -170,7 +178,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         run(("quantize", sizes, n, scale, fmt), lambda src, rows, left: kernels.prepare_quantize_blocks(
             src, layout, rows, scale, fmt=fmt, residual=left), input_tensor, send, residual)
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
+        run_collective("all_to_all", self.subject, dist.all_to_all_single, received, send, group=group)
         total = output if output.dtype == torch.float32 else torch.empty(output.numel(), dtype=torch.float32,
                                                                          device=device)
         run(("sum_blocks", sizes, n, fmt), lambda rows, out: kernels.prepare_sum_blocks(
@@ -217,8 +225,11 @@ class ReplicaAverage:
     this rank's residuals being ``residuals`` (first stage: every element of its shard; second: the rows it
     reduces)."""
 
-    def __init__(self, wire: WireFormat, group: Any, comm: WireReduceScatter) -> None:
+    def __init__(self, wire: WireFormat, group: Any, comm: WireReduceScatter, name: str = "") -> None:
         self.wire, self.group, self.comm = wire, group, comm
+        self.subject = (f"the shard of FSDP module {_module_label(name, comm.module)} over the replicas "
+                        f"({wire.name} wire)")
+        """What a failed collective's message says it carried."""
         self.replicas = dist.get_world_size(group)
         self.calls = 0
         """Shards averaged (every backward, per FSDP group)."""
@@ -236,20 +247,20 @@ class ReplicaAverage:
             return
         flat = shard.view(-1)
         if wire.comm_dtype == torch.float32:
-            dist.all_reduce(flat, group=self.group)
+            run_collective("all_reduce", self.subject, dist.all_reduce, flat, group=self.group)
             flat.mul_(1.0 / r)
             return
         pre, post = split_average(r, wire.comm_dtype)
         if wire.block_scaled:
-            _run(self._fp8_exchange(flat))
+            _run(self._fp8_exchange(flat), self.subject)
             return
         if wire.sharded and not wire.one_all_reduce(r):  # DDP's bucket exchange, run to its end here
-            _run(float32_sum_exchange(flat, wire, self.group, r, pre, post, None, prepared=self.kernels))
+            _run(float32_sum_exchange(flat, wire, self.group, r, pre, post, None, prepared=self.kernels), self.subject)
             return
         sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)
         run = self.kernels.run
         run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), flat, sent)
-        dist.all_reduce(sent, group=self.group)
+        run_collective("all_reduce", self.subject, dist.all_reduce, sent, group=self.group)
         run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), sent, flat)
 
     def _fp8_exchange(self, flat: torch.Tensor) -> ShardedExchange:
@@ -276,12 +287,13 @@ class ReplicaAverage:
                                            device=device))
 
 
-def _run(exchange: Any) -> None:
+def _run(exchange: Any, subject: str) -> None:
     """A staged exchange (``exchange.py``) run to its end on this thread: each stage's computation, its collective
-    awaited, then the last computation."""
+    awaited, then the last computation. ``subject``: what a failed collective's message says it carried."""
     for stage in exchange.stages:
         stage.compute()
-        stage.issue().wait()
+        work = run_collective(stage.collective_phase, subject, stage.issue)
+        run_collective(stage.collective_phase, subject, work.wait)
     exchange.finish()
 
 
@@ -427,16 +439,22 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
                              "itself in float32: shard it on the mesh's shard dimension (mesh['shard']) and pass "
                              "the replicate dimension's group as replicate_group")
     comms, hooks = [], []
+    names = {id(m): name for name, m in model.named_modules()}
     for module in modules:
-        comm = WireReduceScatter(wire, module)
+        comm = WireReduceScatter(wire, module, names[id(module)])
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
         if replica_wire is not None:
-            hook = ReplicaAverage(replica_wire, replicate_group, comm)
+            hook = ReplicaAverage(replica_wire, replicate_group, comm, names[id(module)])
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
     replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     return FSDPCommState(wire, comms, model, dist.get_world_size() // replicas, replica_wire, hooks)
+
+
+def _module_label(name: str, module: Any) -> str:
+    """A module as a failed collective's message names it: its name in the model, or the root's class."""
+    return repr(name) if name else f"{type(module).__name__} (the root)"
 
 
 def _param_groups(module: Any) -> List[Any]:

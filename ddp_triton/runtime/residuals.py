@@ -27,6 +27,11 @@ import torch.distributed as dist
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS
 from .algo_groups import collective_device
+from .collective_errors import run_collective
+
+# What a failed collective's message says these collectives carried (``collective_errors.py``).
+_MOVE = "the FP8 error-feedback residuals moving to a new bucket layout"
+_CHECKPOINT = "the FP8 error-feedback residuals' checkpoint (state_dict of every rank)"
 
 #: Version of the dict ``ResidualStore.state_dict`` returns; a newer one is refused on load.
 STATE_DICT_VERSION = 1
@@ -88,7 +93,7 @@ class LayoutResiduals:
         elements, places = self.second_places()
         whole.index_copy_(0, elements, self.second.index_select(0, places))
         if group is not None:
-            dist.all_reduce(whole, group=group)
+            run_collective("all_reduce", _MOVE, dist.all_reduce, whole, group=group)
         return whole
 
 
@@ -136,7 +141,7 @@ class ResidualStore:
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
             first_values, second_values = self._take_pending(held, device)
             if node_group is not None:  # every element's first stage is held by one rank of the node (or none)
-                dist.all_reduce(first_values, group=node_group)
+                run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()
             second.index_copy_(0, places, second_values.index_select(0, elements))
@@ -168,7 +173,7 @@ class ResidualStore:
                 if taken is not None:
                     values[start:start + size].copy_(taken)
             start += size
-        dist.all_reduce(first, group=group)
+        run_collective("all_reduce", _MOVE, dist.all_reduce, first, group=group)
         return first.add_(second)
 
     def _take_pending(self, held: LayoutResiduals, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -254,12 +259,13 @@ class ResidualStore:
         device = collective_device(group)
         world_size = dist.get_world_size(group)
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-        dist.all_gather(sizes, torch.tensor([flat.numel()], device=device), group=group)
+        run_collective("all_gather", _CHECKPOINT, dist.all_gather, sizes, torch.tensor([flat.numel()], device=device),
+                       group=group)
         if len({int(t) for t in sizes}) > 1:  # every rank sees the same sizes: all raise together
             raise ValueError(f"the ranks hold first-stage residuals of different sizes ({[int(t) for t in sizes]}): "
                              "they train different models")
         gathered = [torch.empty_like(flat, device=device) for _ in range(world_size)]
-        dist.all_gather(gathered, flat.to(device), group=group)
+        run_collective("all_gather", _CHECKPOINT, dist.all_gather, gathered, flat.to(device), group=group)
         by_rank = []
         for values in gathered:
             values, start, part = values.cpu(), 0, {}

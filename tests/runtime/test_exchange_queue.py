@@ -75,9 +75,9 @@ def test_a_failed_bucket_stops_every_later_collective_of_the_state():
     with pytest.raises(RuntimeError, match="stage 1 failed"):
         first.wait()
     second = queue.start(rec.exchange(1, [CROSS, CROSS]), last=False)
-    with pytest.raises(RuntimeError, match="earlier bucket's exchange failed on this rank"):
+    with pytest.raises(RuntimeError, match="another bucket's exchange failed on this rank"):
         second.wait()
-    with pytest.raises(RuntimeError, match="earlier bucket's exchange failed on this rank"):
+    with pytest.raises(RuntimeError, match="another bucket's exchange failed on this rank"):
         with queue.ordered():
             pass
     assert rec.issued == [(0, 0, CROSS)]  # nothing of bucket 1's went out
