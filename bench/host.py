@@ -15,7 +15,7 @@ tensors, and the direct launch that a plain call binds (``pack.direct_launch``) 
 (``BoundLaunch._direct``) is a real ``_DirectLaunch`` built around those stubs instead of a compiled kernel. The
 first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top. The plain FSDP row's
 two launches go through Triton's own launcher, stubbed whole here (its argument handling: 17.3 us per launch
-measured on the lent H200's host, shared/measurements): it costs that much more on a GPU; the prepared rows'
+measured on the lent H200's host, 2026-11-30): it costs that much more on a GPU; the prepared rows'
 direct launches are stubbed as the bound ones are.
 
 Ratios are to torch's host cost for one elementwise op on a small CPU tensor (``torch.mul(src, 0.125, out=dst)``,

@@ -136,7 +136,7 @@ def corpus() -> Dict[str, Any]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     data = b"".join((stdlib / name).read_bytes() for name in CORPUS_FILES)
     return {"bytes": data, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-            "files": list(CORPUS_FILES), "stdlib": str(stdlib)}
+            "files": list(CORPUS_FILES), "python": sysconfig.get_python_version()}  # whose standard library
 
 
 class SeedTask:

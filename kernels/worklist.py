@@ -34,7 +34,7 @@ class Plan:
 def launch_config(total_elements: int, n_segments: int) -> Tuple[int, int]:
     """(BLOCK, num_warps) for a work list.
 
-    From the sweeps on one H200 (shared/measurements/h200-2026-11-30-kernels2.json, bench/RESULTS.md): many small
+    From the sweeps on one H200 (2026-11-30, Triton 3.6; bench/RESULTS.md has the tables): many small
     tensors (GPT-2's 148 gradients) were fastest at 2048/4, one 100 MiB bucket at 2048/8, one 25 MiB bucket at
     4096/4. Below 4M elements 4096-element blocks leave most of 132 SMs idle (64 programs for 1 MiB).
     """

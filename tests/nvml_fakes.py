@@ -5,8 +5,8 @@ way our measurement scripts record failures); a key that is absent raises NVMLEr
 answer of a VM. Constants and error classes are pynvml's own, so the code under test sees the real exceptions
 and the real (sometimes odd) constants: nvidia-ml-py 13 defines NVML_P2P_CAPS_INDEX_READ as the tuple (0,).
 
-Builders: `h200_vm()` replays our reading on the H200 VM (tests/data/h200_vm_nvml.json, copied from
-shared/measurements/h200-2026-11-30-baseline.json); `dgx_h100()` plays an 8-GPU NVSwitch node;
+Builders: `h200_vm()` replays our reading on the H200 VM (tests/data/h200_vm_nvml.json, read there on
+2026-11-30); `dgx_h100()` plays an 8-GPU NVSwitch node;
 `nvlink_bridged_pcie()` a PCIe box with NVLink bridges between GPU pairs; `bare()` one with only the basic calls.
 """
 

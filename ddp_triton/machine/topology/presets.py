@@ -1,7 +1,7 @@
 """Described machines, for planning where NVML cannot see the hardware (a laptop, a CI runner, a VM).
 
 Each preset rests on public figures, cited beside it; they are specifications, not measurements, except
-"h200-vm-1gpu", which replays our own NVML reading (shared/measurements/h200-2026-11-30-baseline.json).
+"h200-vm-1gpu", which replays our own NVML reading of the lent H200 VM (2026-11-30; tests/data/h200_vm_nvml.json).
 Memory sizes are what nvidia-smi reports for the part (MiB), not the marketing GB.
 Link rates are per direction: an NVLink4 link is 50 GB/s bidirectional = 25 GB/s each way.
 """
@@ -184,7 +184,7 @@ def pcie_gen4_4gpu() -> Topology:
 
 
 def h200_vm_1gpu() -> Topology:
-    # Our own NVML reading on the lent H200 VM (shared/measurements/h200-2026-11-30-baseline.json, key "nvml"):
+    # Our own NVML reading on the lent H200 VM on 2026-11-30 (tests/data/h200_vm_nvml.json holds it):
     # one "NVIDIA H200" at 00000000:00:06.0, PCIe gen5 x16 (current and max), 150754820096 bytes, CPU affinity
     # words [65535, 0, 0, 0] = CPUs 0-15; NVLink (links 0-17) and NUMA calls raised NVMLError_NotSupported, and
     # `nvidia-smi topo -m` showed one GPU. Compute capability was not recorded, so it is left unknown (the name
