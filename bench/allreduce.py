@@ -15,7 +15,6 @@ Output: a table per (algorithm, dtype) with columns size, count, type, time, alg
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.common import PLOT_MISSING, pyplot, write_json  # noqa: E402
 from ddp_triton.cli.args import csv_list, nonneg_int, parse_size, positive_int  # noqa: E402
 from ddp_triton.dtypes import normalize_dtype  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
@@ -72,13 +72,9 @@ def add_model(rows: List[Dict[str, Any]], topo: Any) -> None:
 
 def plot(rows: List[Dict[str, Any]], path: str, title: str) -> bool:
     """busbw against size per (algorithm, dtype), the model dashed; False (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the plot (pip install ddp-triton[bench])")
+    plt = pyplot()
+    if plt is None:
+        print(PLOT_MISSING)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     keys = sorted({(r["algorithm"], r["dtype"]) for r in rows})
@@ -154,8 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                "iters": args.iters, "topology": None if topo is None else {"name": topo.name,
                                                                              "fingerprint": topo.fingerprint()},
                "env": collect_env(), "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot and plot(rows, args.plot, title):
         print(f"wrote {args.plot}")

@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-if __package__ in (None, ""):  # run as a plain script: make `ddp_triton` importable from the checkout
+if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_triton` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import format_table  # noqa: E402
 from ddp_triton.cli.args import csv_list, nonneg_float, positive_float  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
 from ddp_triton.machine.profile import DEFAULT_HOST_US_PER_BUCKET, MiB, model_profile  # noqa: E402
@@ -69,9 +70,7 @@ def markdown(table: List[List[str]], host_us: float = DEFAULT_HOST_US_PER_BUCKET
     head = ["preset", "nodes", "ranks", "bucket, model size unknown", f"... with {host_us:g} us host per bucket",
             "bucket, 1.5B-parameter model", f"... with {host_us:g} us host per bucket", "DDP's 25 MiB bucket",
             "best busbw (1 GiB), GB/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in table]
-    return "\n".join(lines)
+    return format_table(head, table)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

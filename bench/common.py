@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import os
+import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 if __package__ in (None, ""):  # run as a plain script: make `ddp_triton` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from ddp_triton.versions import nccl_version_text, package_version  # noqa: E402
 
@@ -30,6 +36,29 @@ def environment(device: torch.device) -> Dict[str, Any]:
         "nccl": nccl_version_text() if torch.cuda.is_available() else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
     }
+
+
+def machine() -> Dict[str, Any]:
+    """The host: platform, Python, CPU model and core count (what a CPU-timed number must carry)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count()}
+
+
+@contextlib.contextmanager
+def one_rank_gloo() -> Iterator[None]:
+    """A 1-rank gloo process group on a FileStore in a temporary directory (no port), destroyed on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def bench_us(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
@@ -83,14 +112,46 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def save_json(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:
-    """Write ``payload`` to ``bench/out/<name>-<date>.json`` (or ``out_dir``) and return the path."""
-    out_dir = Path(out_dir) if out_dir is not None else OUT_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = out_dir / f"{name}-{stamp}.json"
-    path.write_text(json.dumps(payload, indent=1))
+# A list of numbers, null/true/false or short words without commas ("inf", "fp8e4m3+ef"): printed on one line.
+_ITEM = r'(?:-?[0-9][0-9.eE+-]*|-?Infinity|NaN|null|true|false|"[-0-9a-zE+. ]*")'
+_FLAT_LIST = re.compile(rf"\[\s*({_ITEM}(?:\s*,\s*{_ITEM})*)\s*\]")
+
+
+def json_text(payload: Any, allow_nan: bool = True) -> str:
+    """Indented JSON with each flat list of numbers on one line (curves and rows would take a line per value).
+    ``allow_nan=False``: strict JSON, a non-finite float is an error (write it as a string first)."""
+    text = json.dumps(payload, indent=1, allow_nan=allow_nan, default=str)
+    return _FLAT_LIST.sub(lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text) + "\n"
+
+
+def write_json(path: Union[str, Path], payload: Any, allow_nan: bool = True) -> Path:
+    """Write ``payload`` as :func:`json_text` to ``path`` (its folder created) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json_text(payload, allow_nan))
     return path
+
+
+def save_json(name: str, payload: Dict[str, Any], out_dir: Optional[Union[str, Path]] = None) -> Path:
+    """Write ``payload`` to ``bench/out/<name>-<time>.json`` (or ``out_dir``) and return the path."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return write_json(Path(out_dir if out_dir is not None else OUT_DIR) / f"{name}-{stamp}.json", payload)
+
+
+PLOT_MISSING = "matplotlib is not installed (pip install -e '.[bench]'): no plot"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not installed (the ``bench``
+    extra): a benchmark then prints :data:`PLOT_MISSING` and saves no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def progress(message: str) -> None:

@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-if __package__ in (None, ""):  # run as a plain script: make `ddp_triton` importable from the checkout
+if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_triton` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import format_table, json_text  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "published" / "nccl_tests_allreduce.json"
@@ -93,8 +94,7 @@ def _size(n: int) -> str:
 
 def markdown(systems: List[Dict[str, Any]], rows: List[Dict[str, Any]], calibrated: bool) -> str:
     """The README's table: a row per system, a cell per validated size ("measured / model = ratio")."""
-    lines = ["| run | NCCL | 1 MiB, us | 16 MiB | 128 MiB | largest | worst |",
-             "|---|---|---|---|---|---|---|"]
+    table = []
     for system in systems:
         cells = {r["bytes"]: r for r in rows if r["system"] == system["id"]}
         sizes = system["validate"]
@@ -113,8 +113,8 @@ def markdown(systems: List[Dict[str, Any]], rows: List[Dict[str, Any]], calibrat
             out.append(cell)
         worst = max(max(r["ratio"], 1 / r["ratio"]) for r in cells.values())
         version = ".".join(map(str, system["nccl"])) if system["nccl"] else "?"
-        lines.append(f"| {system['id']} {system['name']} | {version} | " + " | ".join(out) + f" | {worst:.2f}x |")
-    return "\n".join(lines)
+        table.append([f"{system['id']} {system['name']}", version, *out, f"{worst:.2f}x"])
+    return format_table(["run", "NCCL", "1 MiB, us", "16 MiB", "128 MiB", "largest", "worst"], table)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -125,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     systems = load()
     rows = validate(systems, calibrated=args.calibrated)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json_text(rows), end="")
     else:
         print(markdown(systems, rows, args.calibrated))
     return 0

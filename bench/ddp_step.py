@@ -161,7 +161,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_step(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], opt: torch.optim.Optimizer,
+def make_step(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], opt: torch.optim.Optimizer,
               clip: Optional[Callable[[], None]] = None, ranges: bool = False) -> Callable[[], None]:
     """One training step: zero_grad, forward and loss, backward, the variant's clip, SGD. ``ranges``: inside
     profiler ranges ``ddp_step.forward`` / ``.backward`` / ``.clip`` / ``.optimizer`` (profiling only: the timed
@@ -207,9 +207,9 @@ def time_calls(call: Callable[[], None], steps: int, warmup: int, device: torch.
     return times
 
 
-def time_steps(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int, device: torch.device,
-               clip: Optional[Callable[[], None]] = None) -> List[float]:
-    """Milliseconds of each of ``steps`` synchronised steps, after ``warmup`` untimed ones."""
+def time_steps(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int,
+               device: torch.device, clip: Optional[Callable[[], None]] = None) -> List[float]:
+    """Milliseconds of each of ``steps`` synchronised steps (SGD, lr 1e-4), after ``warmup`` untimed ones."""
     return time_calls(make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip), steps, warmup, device)
 
 
@@ -369,45 +369,58 @@ def node_link_per_step(tx: int, rx: int, steps: int) -> Dict[str, float]:
             "node_link_rx_bytes_per_step": sum(r for _, r in leaders) / len(leaders) / steps}
 
 
+def take_turns(timers: Sequence[Tuple[str, Callable[[int, int], List[float]]]], rounds: int, steps: int,
+               warmup: int, later_warmup: int, link_iface: Optional[str], label: str = "") -> List[Dict[str, Any]]:
+    """Time each variant (``timer(steps, warmup)``: milliseconds per step) in turn, ``rounds`` times: a slow patch of
+    the machine (clocks, another tenant) hits them all alike. ``steps`` spread over the rounds, ``warmup`` untimed
+    steps before a variant's first round and ``later_warmup`` before the others. A row per variant: the median and
+    fastest step, and with ``link_iface`` the bytes each node's link moved per step (over the rounds after the
+    first, when there are any: the first holds one-time traffic, DDP's rebuild after step 0, FP8's residual
+    re-slice)."""
+    times: List[List[float]] = [[] for _ in timers]
+    link = [[0, 0, 0] for _ in timers]  # tx bytes, rx bytes, steps (warm-up included)
+    per_round = max(1, steps // rounds)
+    for round_ in range(rounds):
+        for (variant, timer), ts, counts in zip(timers, times, link):
+            warm = warmup if round_ == 0 else later_warmup
+            counted = link_iface if round_ > 0 or rounds == 1 else None
+            before = link_bytes(counted)
+            ts += timer(per_round, warm)
+            after = link_bytes(counted)
+            if dist.get_rank() == 0:
+                progress(f"{label}round {round_ + 1}/{rounds}: {variant} median {statistics.median(ts):.2f} ms over "
+                         f"{len(ts)} steps")
+            if counted:
+                counts[:] = [counts[0] + after[0] - before[0], counts[1] + after[1] - before[1],
+                             counts[2] + per_round + warm]
+    rows = []
+    for (variant, _), ts, counts in zip(timers, times, link):
+        row = {"variant": variant, "median_ms": statistics.median(ts), "min_ms": min(ts), "steps": len(ts)}
+        if link_iface:
+            row.update(node_link_per_step(*counts))
+        rows.append(row)
+    return rows
+
+
 def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],
                   backend: str, notes: List[str]) -> List[Dict[str, Any]]:
     """Median step time per variant and bucket view, the variants taking turns in rounds."""
     rows: List[Dict[str, Any]] = []
     for gabv in views:
-        models = []
+        timers = []
         for variant in variants_to_run(args.variants, backend, notes, device, work.env["model"]):
             if variant in GRAPH_VARIANTS:
                 replay = captured_step(work.model, work.loss, device, gabv, GRAPH_VARIANTS[variant])
-                timer = functools.partial(time_calls, replay)
+                timer = functools.partial(time_calls, replay, device=device)
             else:
                 ddp = make_ddp(work.model, device, gabv)
                 clip = register(ddp, variant, notes)
-                timer = functools.partial(time_steps, ddp, work.loss, clip=clip)
-            models.append((variant, timer, []))
-        # Rounds, each variant in turn: a slow patch of the machine (clocks, another tenant) hits them all alike.
-        link = {variant: [0, 0, 0] for variant, _, _ in models}  # tx bytes, rx bytes, steps (warm-up included)
-        for round_ in range(args.rounds):
-            for variant, timer, times in models:
-                steps, warmup = max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 2
-                # The first round holds one-time traffic (DDP's rebuild after step 0, FP8's residual re-slice): the
-                # link is counted over the later rounds, when there are any.
-                counted = args.link_iface if round_ > 0 or args.rounds == 1 else None
-                before = link_bytes(counted)
-                times += timer(steps, warmup, device)
-                after = link_bytes(counted)
-                if dist.get_rank() == 0:
-                    progress(f"bucket view {'on' if gabv else 'off'}, round {round_ + 1}/{args.rounds}: {variant} "
-                             f"median {statistics.median(times):.2f} ms over {len(times)} steps")
-                if counted:
-                    link[variant] = [link[variant][0] + after[0] - before[0],
-                                     link[variant][1] + after[1] - before[1], link[variant][2] + steps + warmup]
-        for variant, _, times in models:
-            row = {"variant": variant, "gradient_as_bucket_view": gabv, "median_ms": statistics.median(times),
-                   "min_ms": min(times), "steps": len(times)}
-            if args.link_iface:
-                row.update(node_link_per_step(*link[variant]))
-            rows.append(row)
-        del models
+                timer = functools.partial(time_steps, ddp, work.loss, device=device, clip=clip)
+            timers.append((variant, timer))
+        rows += [{"variant": r["variant"], "gradient_as_bucket_view": gabv, **r}
+                 for r in take_turns(timers, args.rounds, args.steps, args.warmup, 2, args.link_iface,
+                                     f"bucket view {'on' if gabv else 'off'}, ")]
+        del timers
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -15,7 +15,6 @@ CPU ranks (``cost_model.CPU_HOST_COST``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import format_table  # noqa: E402
+from bench.common import format_table, write_json  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
 from ddp_triton.machine.profile import (FormatRow, Profile, TableEntry, admitted_formats, format_bytes,  # noqa: E402
                                         format_choice)
@@ -69,8 +68,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{format_bytes(r.min_bytes)} .. {'inf' if r.max_bytes is None else format_bytes(r.max_bytes)}: "
                   f"{r.format} ({r.reason})")
         if args.out:
-            args.out.write_text(json.dumps({"world_size": world, "nodes": nodes, "inter_gbps": args.inter_gbps,
-                                            "intra_gbps": args.intra_gbps, "rows": rows}, indent=1) + "\n")
+            write_json(args.out, {"world_size": world, "nodes": nodes, "inter_gbps": args.inter_gbps,
+                                  "intra_gbps": args.intra_gbps, "rows": rows})
         if args.profile_out:
             Profile(source="measured", backend="gloo", world_size=world, nodes=nodes, comm_dtype="bfloat16",
                     bucket_cap_mb=25.0, table=[TableEntry(0, None, "ring")], formats=choice,

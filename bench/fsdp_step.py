@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_triton` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,9 +31,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import ddp_triton.fsdp  # noqa: E402
-from bench.common import environment, format_table  # noqa: E402
+from bench.common import environment, format_table, save_json  # noqa: E402
 from bench.ddp_models import make_model  # noqa: E402
-from bench.ddp_step import init, link_bytes, node_link_per_step, sync  # noqa: E402
+from bench.ddp_step import init, take_turns, time_steps  # noqa: E402
 
 #: ``triton_fp8_bf16_reduce``: FP8 with FSDP's reduce dtype bfloat16 (mixed precision: our reduce-scatter is handed
 #: bf16 gradients and writes the bf16 shard).
@@ -45,7 +43,6 @@ VARIANTS = ("fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum", "triton_f
 #: nodes).
 HSDP_VARIANTS = ("hsdp_float32", "hsdp_bf16_reduce", "hsdp_triton_bf16_fp32sum", "hsdp_triton_bf16_fp32sum_both",
                  "hsdp_triton_fp8")
-OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
 def sharded(base: nn.Module, variant: str) -> nn.Module:
@@ -85,26 +82,6 @@ def sharded(base: nn.Module, variant: str) -> nn.Module:
     return model
 
 
-def timer(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor],
-          device: torch.device) -> Callable[[int, int], List[float]]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-    def run(steps: int, warmup: int) -> List[float]:
-        times = []
-        for i in range(warmup + steps):
-            sync(device)
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss(model).backward()
-            opt.step()
-            sync(device)
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        return times
-
-    return run
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -131,25 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     def loss(model: nn.Module) -> torch.Tensor:
         return model(x).float().square().mean()
 
-    runs = [(v, timer(sharded(base, v), loss, device), []) for v in variants]
-    link = {v: [0, 0, 0] for v in variants}
-    for round_ in range(args.rounds):
-        for variant, run, times in runs:
-            steps, warmup = max(1, args.steps // args.rounds), args.warmup if round_ == 0 else 1
-            counted = args.link_iface if round_ > 0 or args.rounds == 1 else None
-            before = link_bytes(counted)
-            times += run(steps, warmup)
-            after = link_bytes(counted)
-            if counted:
-                link[variant] = [link[variant][0] + after[0] - before[0], link[variant][1] + after[1] - before[1],
-                                 link[variant][2] + steps + warmup]
-    rows = []
-    for variant, _, times in runs:
-        row: Dict[str, Any] = {"variant": variant, "median_ms": statistics.median(times), "min_ms": min(times),
-                               "steps": len(times)}
-        if args.link_iface:
-            row.update(node_link_per_step(*link[variant]))
-        rows.append(row)
+    timers = [(v, functools.partial(time_steps, sharded(base, v), loss, device=device)) for v in variants]
+    rows = take_turns(timers, args.rounds, args.steps, args.warmup, 1, args.link_iface)
     env = dict(environment(device), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
                parameters=sum(q.numel() for q in base.parameters()), batch=args.batch)
     if dist.get_rank() == 0:
@@ -158,11 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_table(headers, [[r["variant"], f"{r['median_ms']:.0f}", f"{r['min_ms']:.0f}"]
                                      + ([f"{r['node_link_tx_bytes_per_step'] / 1e6:.1f}"] if args.link_iface else [])
                                      for r in rows]))
-        out_dir = Path(args.out_dir) if args.out_dir else OUT_DIR
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"fsdp_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str) + "\n")
-        print(f"saved {path}")
+        print(f"saved {save_json('fsdp_step', {'env': env, 'rows': rows}, args.out_dir)}")
     dist.destroy_process_group()
     return 0
 

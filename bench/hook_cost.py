@@ -39,19 +39,15 @@ bfloat16 with float32 sums, and FP8, which torch lacks) with ``bf16_compress_hoo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,7 +64,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import environment, format_table, save_json  # noqa: E402
+from bench.common import environment, format_table, json_text, machine, one_rank_gloo, save_json  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -147,17 +143,6 @@ def bucket_cap_mb(width: int) -> float:
     return (width * width + width) * 4 / 2 / 2**20
 
 
-@contextlib.contextmanager
-def one_rank_gloo() -> Iterator[None]:
-    """A 1-rank gloo process group on a FileStore in a temporary directory."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def make_step(ddp: DDP, x: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         ddp.zero_grad(set_to_none=True)
@@ -193,17 +178,6 @@ def time_block(step: Callable[[], None], steps: int) -> float:
         return (time.perf_counter() - start) / steps * 1e3
     finally:
         gc.enable()
-
-
-def machine() -> Dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count()}
 
 
 def run(layers: int, width: int, batch: int, rounds: int, steps: int, warmup: int,
@@ -309,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.out_dir is not None:
         save_json("hook_cost", result, args.out_dir)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json_text(result), end="")
     else:
         print(f"{result['env']} {result['machine']['cpu']}\n{result['buckets']} buckets counted in a backward "
               f"({layers} layers), {result['bucket_bytes']} bytes each; median of {rounds} rounds of {steps} steps\n")

@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -43,7 +40,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.common import environment, format_table, host_us_per_call, save_json  # noqa: E402
+from bench.common import (environment, format_table, host_us_per_call, json_text, one_rank_gloo,  # noqa: E402
+                          save_json)
 from bench.kernels import fsdp_group_calls, gpt2_small_shapes  # noqa: E402
 
 pack_module = importlib.import_module("ddp_triton.kernels.pack")  # the module: the package exports a function `pack`
@@ -94,22 +92,6 @@ def cuda_like_path() -> Iterator[None]:
             pack_module.LAYOUTS.clear()
 
 
-@contextlib.contextmanager
-def one_rank_group() -> Iterator[bool]:
-    """A 1-rank gloo process group on a FileStore (yields False where torch.distributed is missing)."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        yield False
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-        try:
-            yield True
-        finally:
-            dist.destroy_process_group()
-
-
 def _gradients() -> List[torch.Tensor]:
     """GPT-2 small's 148 parameter shapes, narrowed: sizes matter only to the plan, which is built once."""
     gen = torch.Generator().manual_seed(0)
@@ -124,7 +106,7 @@ def _first_call(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable[[], Any], int]]:
+def cases(hook_fn: Callable[[], Any]) -> List[Tuple[str, str, Callable[[], Any], int]]:
     """(key, what, call, calls per round) of every row; the first is the torch baseline."""
     from ddp_triton.kernels import bind_pack, bind_quantize_blocks, block_layout, pack, unpack
     from ddp_triton.kernels.fp8 import ROW_BYTES
@@ -151,8 +133,7 @@ def cases(hook_fn: Optional[Callable[[], Any]]) -> List[Tuple[str, str, Callable
     ]
     rows += [(key, what + (" (+ Triton's launcher, stubbed whole)" if key == "fsdp_fp8_plain" else ""), fn, 2000)
              for key, what, fn, _ in fsdp_group_calls(CPU)]
-    if hook_fn is not None:
-        rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
+    rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
     return rows + [
         ("pack_1_first", "pack, 1 tensor, a layout's first call", _first_call(lambda: pack([src], one_out, SCALE)),
          500),
@@ -188,8 +169,8 @@ def measure(rows: List[Tuple[str, str, Callable[[], Any], int]], rounds: int, sc
 def run(quick: bool) -> Dict[str, Any]:
     """Every row's microseconds and ratio to the torch op, with the targets and the environment."""
     rounds, scale_calls = (2, 0.05) if quick else (7, 1.0)
-    with cuda_like_path(), one_rank_group() as have_group:
-        rows = cases(hook_front_end() if have_group else None)
+    with cuda_like_path(), one_rank_gloo():
+        rows = cases(hook_front_end())
         best = measure(rows, rounds, scale_calls)
     base = best["torch_op"]
     result: Dict[str, Any] = {"torch_op_us": base, "baseline": rows[0][1], "stubbed": STUBBED}
@@ -225,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.out_dir is not None:
         save_json("host", result, args.out_dir)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json_text(result), end="")
     else:
         print(f"{result['env']}\n")
         print(table(result))

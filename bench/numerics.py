@@ -57,9 +57,7 @@ residuals and requires the same bits (``self_check`` in the JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -71,7 +69,7 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import OUT_DIR, environment, format_table  # noqa: E402
+from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, pyplot, write_json  # noqa: E402
 from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
@@ -262,7 +260,7 @@ def fp8_one_step(x: torch.Tensor, sizes: Sequence[int], fmt: torch.dtype) -> tor
     return Fp8Exchange(x.shape[0], sizes, fmt, error_feedback=False)(x)
 
 
-# ---- two-level: float32 sums inside the node, the format between nodes ------------------------------------------------
+# ---- two-level: float32 sums inside the node, the format between nodes -----------------------------------------------
 
 
 def node_sums(x: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
@@ -438,13 +436,9 @@ def _over_seeds(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def plot(data: Dict[str, Any], path: Path) -> Optional[str]:
     """A PNG beside the JSON; None, and a message, without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install -e '.[bench]'): no plot"
+    plt = pyplot()
+    if plt is None:
+        return PLOT_MISSING
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
     ns = data["world_sizes"]
     small = min(data["config"]["tensors"], key=lambda t: t[2])
@@ -468,13 +462,6 @@ def plot(data: Dict[str, Any], path: Path) -> Optional[str]:
     fig.savefig(path, dpi=64)
     plt.close(fig)
     return None
-
-
-def dump_json(data: Dict[str, Any]) -> str:
-    """Indented JSON with each list of numbers on one line (the curves would otherwise take a line per value)."""
-    text = json.dumps(data, indent=1, allow_nan=False)
-    return re.sub(r"\[\s*([-0-9.eE+\s,\"a-z]*?)\s*\]",
-                  lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text) + "\n"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -576,8 +563,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "self_check": check,
         "runtime_s": round(elapsed, 1),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump_json(data))
+    write_json(out, data, allow_nan=False)
 
     print(f"\nRelative L2 error of the averaged gradient vs float64, whole bucket (one step, median of {args.seeds} "
           f"seed{'s' if args.seeds > 1 else ''}):\n" + table_all)

@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import sys
 import sysconfig
 import tempfile
@@ -57,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import OUT_DIR, environment, format_table  # noqa: E402
+from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, pyplot, write_json  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 from examples.train import synthetic_dataset  # noqa: E402
 
@@ -345,13 +344,9 @@ def _final(losses: List[float], last: int) -> float:
 
 def plot(data: Dict[str, Any], path: Path) -> Optional[str]:
     """Loss curves per model (smoothed over ``last`` steps); None, or why not, without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install -e '.[bench]'): no plot"
+    plt = pyplot()
+    if plt is None:
+        return PLOT_MISSING
     models = list(data["results"])
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     window = max(1, min(data["config"]["last"], 10))
@@ -411,8 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "config": {"quick": args.quick, "world_size": args.world_size, "steps": steps, "last": last,
                        "formats": formats, "targets": TARGETS},
             "summary": summary, "results": results, "runtime_s": round(elapsed, 1)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_dump(data))
+    write_json(out, data, allow_nan=False)
 
     for name, rows in summary.items():
         model = results[name]
@@ -446,13 +440,6 @@ def _target(row: Dict[str, Any]) -> str:
     if "target" not in row:
         return "-"
     return f"±{row['target'] * 100:g}%: {'met' if row['met'] else 'not met'}"
-
-
-def _dump(data: Dict[str, Any]) -> str:
-    """Indented JSON with the loss curves on one line each."""
-    text = json.dumps(data, indent=1, allow_nan=False)
-    return re.sub(r"\[\s*([-0-9.eE+\s,]*?)\s*\]",
-                  lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@ dropped), ``kept`` (not exchanged at all: residuals wait for the next use) and `
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
+if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_triton` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.numerics import Fp8Exchange, rel_l2, student_t
+import torch  # noqa: E402
+
+from bench.common import format_table, json_text  # noqa: E402
+from bench.numerics import Fp8Exchange, rel_l2, student_t  # noqa: E402
 
 SIZE = 4096
 RANKS = 8
@@ -69,17 +74,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--steps must be >= 1 and --ranks >= 2")
     rows: Dict[str, Any] = {f"{fraction:g}": run(fraction, args.ranks, args.steps) for fraction in FRACTIONS}
     if args.json:
-        print(json.dumps({"ranks": args.ranks, "steps": args.steps, "size": SIZE, "format": "fp8e4m3",
-                          "by_fraction_used": rows}, indent=1))
+        print(json_text({"ranks": args.ranks, "steps": args.steps, "size": SIZE, "format": "fp8e4m3",
+                         "by_fraction_used": rows}), end="")
         return 0
     print(f"FP8 E4M3 + error feedback, {args.ranks} ranks, {args.steps} steps, a {SIZE}-element head: relative L2 "
           "error of the sum of applied updates over the steps it was used")
-    print(f"{'used':>6} {'steps':>6} {'dropped (the hook)':>19} {'kept':>10} {'no error feedback':>18}")
-    for fraction, row in rows.items():
-        print(f"{fraction:>6} {row['used_steps']:>6} {row['dropped']:>19.3g} {row['kept']:>10.3g} "
-              f"{row['no error feedback']:>18.3g}")
+    print(format_table(["used", "steps", "dropped (the hook)", "kept", "no error feedback"],
+                       [[fraction, row["used_steps"], row["dropped"], row["kept"], row["no error feedback"]]
+                        for fraction, row in rows.items()]))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

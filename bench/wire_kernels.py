@@ -32,7 +32,6 @@ are the compiled ones (``kernels/native_cpu.py``) where they build, else torch's
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -42,7 +41,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.common import append_results, bench_us, environment, format_table, save_json  # noqa: E402
+from bench.common import append_results, bench_us, environment, format_table, json_text, save_json  # noqa: E402
 from bench.kernels import copy_ceiling_gbps  # noqa: E402
 from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks,  # noqa: E402
                                 bind_sum_blocks, bind_sum_slices, block_layout, quantize_blocks)
@@ -144,7 +143,7 @@ def main_cpu(args: argparse.Namespace) -> int:
     result["env"] = environment(torch.device("cpu"))
     save_json("wire_kernels_cpu", result, args.out_dir)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json_text(result), end="")
         return 0
     print(f"{result['env']}; {result['elements']} elements ({args.mb:g} MiB float32), {args.ranks} ranks, one thread")
     print(format_table(["pass", "ns per bucket element"], [[k, v] for k, v in result["ns_per_element"].items()]))

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +45,28 @@ def run_json(args):
     return json.loads(out.stdout)
 
 
+def timed(value):
+    """A time a run measured: a finite number of microseconds or milliseconds above zero."""
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
 def test_kernels_benchmark_smoke(tmp_path):
     stdout, data = run(["bench.kernels", "--device", "cpu", "--quick", "--no-compile"], tmp_path)
-    assert "copy ceiling" in stdout
-    assert {r["op"] for r in data["buckets"]} == {"pack", "unpack"}
+    assert "copy ceiling" in stdout and timed(data["copy_ceiling_gbps"])
+    # --quick keeps the default sizes up to 4 MiB: a pack and an unpack row for each
+    assert sorted((r["mb"], r["op"]) for r in data["buckets"]) == [(1.0, "pack"), (1.0, "unpack"), (4.0, "pack"),
+                                                                    (4.0, "unpack")]
     assert all(r["bitexact"] for r in data["buckets"] + data["gradient_list"])
-    assert data["gradient_list"][0]["tensors"] == 148
+    for r in data["buckets"]:
+        assert timed(r["ours_us"]) and timed(r["torch_us"]) and r["compiled_us"] is None, r
+        assert r["bytes"] == r["elements"] * 6 and r["elements"] == int(r["mb"] * (1 << 20)) // 4
+        assert r["ours_over_torch"] == r["ours_us"] / r["torch_us"]
+        assert r["ours_gbps"] == r["bytes"] / r["ours_us"] / 1e3
+        assert math.isclose(r["floor_us"], r["bytes"] / data["copy_ceiling_gbps"] / 1e3)
+    assert [(r["tensors"], r["op"]) for r in data["gradient_list"]] == [(148, "pack"), (148, "unpack")]
+    for r in data["gradient_list"]:
+        assert timed(r["ours_us"]) and timed(r["torch_us"]) and r["torch_over_ours"] == r["torch_us"] / r["ours_us"]
+    assert len(data["host"]) == 6 and all(timed(r["host_us"]) for r in data["host"])
 
 
 def test_ddp_step_benchmark_smoke(tmp_path):
@@ -58,9 +75,18 @@ def test_ddp_step_benchmark_smoke(tmp_path):
     # A line per variant and round as it finishes, and nothing written where git tracks it unless asked.
     assert "bucket view on, round 2/5: triton_hook_bf16 median" in stderr[0], stderr[0][-2000:]
     assert tracked_bench_files() == before
-    variants = {(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]}
-    assert ("triton_hook_bf16", True) in variants and ("no_hook", False) in variants
+    # every default variant in both bucket views, but what gloo and a CPU cannot run
+    ran = ["no_hook", "allreduce_hook", "triton_hook_bf16", "triton_hook_fp32", "triton_hook_bf16_clip_state",
+           "triton_hook_bf16_clip_torch"]
+    assert [(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]] == [
+        (v, view) for view in (False, True) for v in ran]
     assert any("bf16_compress_hook skipped" in n for n in data["notes"])
+    assert any("triton_hook_bf16_graph skipped" in n for n in data["notes"])
+    base = {r["gradient_as_bucket_view"]: r["median_ms"] for r in data["rows"] if r["variant"] == "no_hook"}
+    for r in data["rows"]:
+        # --steps 2 over the default 5 rounds: at least one step a round
+        assert r["steps"] == 5 and timed(r["median_ms"]) and 0 < r["min_ms"] <= r["median_ms"], r
+        assert r["vs_no_hook"] == r["median_ms"] / base[r["gradient_as_bucket_view"]]
 
 
 def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
@@ -70,8 +96,39 @@ def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
                         "--link-iface", "lo"], tmp_path)
     assert [r["variant"] for r in data["rows"]] == ["no_hook", "triton_hook_fp8_2level", "triton_hook_bf16_2level"]
     for row in data["rows"]:
+        assert row["steps"] == 2 and timed(row["median_ms"]) and row["min_ms"] <= row["median_ms"], row
+        # loopback's counters are the machine's: whatever else uses it shows, but never a negative count
         assert row["node_link_tx_bytes_per_step"] >= 0 and row["node_link_rx_bytes_per_step"] >= 0
     assert "node link MB sent per step" in stdout
+
+
+def test_variants_take_turns_and_link_bytes_are_counted_per_step(monkeypatch):
+    """The rounds of bench.ddp_step and bench.fsdp_step, in this process on a fake link: each variant's timer runs
+    once a round with the steps spread over the rounds, the first round's warm-up longer, and the link's bytes are
+    counted over the rounds after the first, divided by the steps (warm-up included) they took."""
+    ddp_step, common = _import_bench("ddp_step"), _import_bench("common")
+    counters = [0, 0]  # tx, rx: each step sends 100 bytes and receives 30, warm-up steps too
+    calls = []
+
+    def timer(name, step_ms):
+        def run(steps, warmup):
+            calls.append((name, steps, warmup))
+            counters[0] += 100 * (steps + warmup)
+            counters[1] += 30 * (steps + warmup)
+            return [step_ms * (len(calls) % 3 + 1)] * steps
+        return run
+
+    monkeypatch.setattr(ddp_step, "link_bytes", lambda iface: tuple(counters) if iface else (0, 0))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with common.one_rank_gloo():
+        rows = ddp_step.take_turns([("a", timer("a", 1.0)), ("b", timer("b", 10.0))], rounds=3, steps=7, warmup=5,
+                                   later_warmup=2, link_iface="fake")
+    assert calls == [("a", 2, 5), ("b", 2, 5), ("a", 2, 2), ("b", 2, 2), ("a", 2, 2), ("b", 2, 2)]
+    # a's steps took 2, 1, 3 ms in its three rounds (1 ms x (calls so far mod 3 + 1)), b's 30, 20, 10
+    assert [(r["variant"], r["steps"], r["median_ms"], r["min_ms"]) for r in rows] == [
+        ("a", 6, 2.0, 1.0), ("b", 6, 20.0, 10.0)]
+    for r in rows:
+        assert (r["node_link_tx_bytes_per_step"], r["node_link_rx_bytes_per_step"]) == (100.0, 30.0)
 
 
 def test_fsdp_step_smoke(tmp_path):
@@ -80,7 +137,9 @@ def test_fsdp_step_smoke(tmp_path):
                        tmp_path, "fsdp_step-*.json")
     assert [r["variant"] for r in data["rows"]] == ["fsdp_float32", "fsdp_bf16_reduce", "triton_bf16_fp32sum",
                                                     "triton_fp8", "triton_fp8_bf16_reduce"]
-    assert all(r["median_ms"] > 0 and r["node_link_tx_bytes_per_step"] >= 0 for r in data["rows"])
+    for r in data["rows"]:  # --steps 2 in one round
+        assert r["steps"] == 2 and timed(r["median_ms"]) and 0 < r["min_ms"] <= r["median_ms"], r
+        assert r["node_link_tx_bytes_per_step"] >= 0  # loopback's counters, of the whole machine
     assert "node link MB sent per step" in stdout
 
 
@@ -96,7 +155,7 @@ def test_ddp_step_gpt2_smoke(tmp_path):
     assert (env["batch"], env["seq"]) == (2, 32)
     assert {(r["variant"], r["gradient_as_bucket_view"]) for r in data["rows"]} == {
         (v, view) for v in ("no_hook", "triton_hook_bf16", "triton_hook_bf16_clip_state") for view in (False, True)}
-    assert all(r["steps"] == 2 and r["median_ms"] > 0 for r in data["rows"])
+    assert all(r["steps"] == 2 and timed(r["median_ms"]) and r["min_ms"] <= r["median_ms"] for r in data["rows"])
     assert not any("fell back" in n for n in data["notes"])  # the clip variant clipped from the state
     assert "saved" in stdout
 
@@ -238,30 +297,59 @@ def test_host_benchmark_smoke():
     import torch
 
     data = run_json(["bench.host", "--quick"])
-    for key in ("pack_1", "pack_148", "bound", "unpack_148", "unpack_stats_148", "hook_bucket"):
-        assert data[f"{key}_ratio"] > 0 and data[f"{key}_us"] > 0, key
-    assert data["torch_op_us"] > 0 and data["env"]["torch"] == torch.__version__
+    keys = ["torch_op", "pack_1", "pack_148", "unpack_148", "unpack_stats_148", "bound", "bound_fp8", "fsdp_fp8_plain",
+            "fsdp_fp8_prepared", "fsdp_fp8_prepared_new", "hook_bucket", "pack_1_first", "pack_148_first"]
+    assert [r["key"] for r in data["rows"]] == keys
+    assert timed(data["torch_op_us"]) and data["env"]["torch"] == torch.__version__
+    for row in data["rows"][1:]:
+        key = row["key"]
+        assert timed(row["us"]) and data[f"{key}_us"] == row["us"], key
+        assert data[f"{key}_ratio"] == row["ratio"] == row["us"] / data["torch_op_us"], key
+    assert set(data["targets"]) == {"pack_1_ratio", "pack_148_ratio", "bound_ratio"}
 
 
 def test_wire_kernels_cpu_mode_smoke(tmp_path):
     data = run_json(["bench.wire_kernels", "--cpu", "--mb", "0.25", "--ranks", "3", "--out-dir", str(tmp_path)])
     assert data["ranks"] == 3 and data["threads"] == 1 and data["fp8_cpu_path"] in ("compiled", "torch")
-    for key in ("fp8_over_bf16_cpu", "bf16_fp32sum_over_bf16_cpu", "fp8_ns", "bf16_ns"):
-        assert isinstance(data[key], float) and math.isfinite(data[key]) and data[key] > 0, key
-    assert set(data["ns_per_element"]) == {"bf16 pack", "bf16 unpack", "bf16 sum of slices x3", "fp8 quantize +ef",
-                                           "fp8 reduce x3 +ef", "fp8 dequantize"}
+    ns = data["ns_per_element"]
+    assert set(ns) == {"bf16 pack", "bf16 unpack", "bf16 sum of slices x3", "fp8 quantize +ef", "fp8 reduce x3 +ef",
+                       "fp8 dequantize"}
+    assert all(timed(v) for v in ns.values()), ns
+    # each format's total is the sum of its passes, and the ratios are of those totals
+    assert data["bf16_ns"] == ns["bf16 pack"] + ns["bf16 unpack"]
+    assert data["bf16_fp32sum_ns"] == data["bf16_ns"] + ns["bf16 sum of slices x3"]
+    assert data["fp8_ns"] == ns["fp8 quantize +ef"] + ns["fp8 reduce x3 +ef"] + ns["fp8 dequantize"]
+    assert data["fp8_over_bf16_cpu"] == data["fp8_ns"] / data["bf16_ns"]
+    assert data["bf16_fp32sum_over_bf16_cpu"] == data["bf16_fp32sum_ns"] / data["bf16_ns"]
+    assert data["elements"] == int(0.25 * (1 << 20)) // 4
 
 
 def test_hook_cost_benchmark_smoke():
     import torch
 
     data = run_json(["bench.hook_cost", "--quick"])
-    keys = [f"{k}_us" for k in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "triton_fp32",
-                                "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8")]
-    for key in keys + ["fp32_ratio", "fp16_ratio", "bf16_ratio"]:
-        assert isinstance(data[key], float) and math.isfinite(data[key]), key
-    assert data["buckets"] == data["requested_buckets"]  # one bucket per layer, counted in a backward
-    assert data["rounds"] >= 1 and data["steps_per_round"] >= 1
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == ["no_hook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "triton_fp32",
+                          "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8", "triton_auto_bf16",
+                          "triton_auto_queued"]
+    assert data["buckets"] == data["requested_buckets"] == 50  # --quick: one bucket per layer, counted in a backward
+    assert (data["rounds"], data["steps_per_round"]) == (3, 3)
+    base = rows["no_hook"]["round_ms"]
+    for key, r in rows.items():
+        # a step time per round, its median; an extra time per bucket over the no-hook step of the same round
+        assert len(r["round_ms"]) == 3 and all(timed(t) for t in r["round_ms"]), key
+        assert r["step_ms"] == statistics.median(r["round_ms"]) and r["min_step_ms"] == min(r["round_ms"]), key
+        extra = [(ms - b) * 1e3 / 50 for ms, b in zip(r["round_ms"], base)]
+        assert math.isclose(r["extra_us_per_bucket"], statistics.median(extra), rel_tol=1e-12, abs_tol=1e-12), key
+        if key != "no_hook":
+            assert data[f"{key}_us"] == r["extra_us_per_bucket"], key
+        if r["counterpart"] is not None:
+            theirs = [(ms - b) * 1e3 / 50 for ms, b in zip(rows[r["counterpart"]]["round_ms"], base)]
+            ratios = [a / b for a, b in zip(extra, theirs) if b > 0]
+            expected = statistics.median(ratios) if ratios else None
+            assert r["ratio"] == expected or math.isclose(r["ratio"], expected, rel_tol=1e-12), key
+    assert rows["no_hook"]["extra_us_per_bucket"] == 0
+    assert data["fp32_ratio"] == rows["triton_fp32"]["ratio"] and data["bf16_ratio"] == rows["triton_bf16"]["ratio"]
     assert data["torch"] == torch.__version__ and data["triton"] and data["date"] and data["machine"]["cpu"]
 
 
@@ -320,3 +408,32 @@ def test_quality_benchmark_smoke(tmp_path):
     assert seed[-1] < seed[0]  # the example's model learns within the quick run
     # a dozen steps cannot tell the formats apart; they must not break training either
     assert all(abs(row["vs_fp32"]) < 0.02 for row in data["summary"]["seed"].values())
+
+
+def test_unused_residuals_benchmark_smoke(capsys):
+    """A head used on every step is never exchanged as zeros: "dropped" and "kept" then see the same gradients and
+    give the same error; used on some steps, dropping the residuals of the others costs accuracy."""
+    unused = _import_bench("unused_residuals")
+    always = unused.run(1.0, ranks=4, steps=6)
+    assert always["used_steps"] == 6 and always["dropped"] == always["kept"] > 0
+    assert unused.main(["--json", "--steps", "8", "--ranks", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["by_fraction_used"]) == {"0.5", "0.1", "0.01"}
+    assert data["by_fraction_used"]["0.5"]["used_steps"] > 0  # seed 0
+    for fraction, row in data["by_fraction_used"].items():
+        assert 0 <= row["used_steps"] <= 8, fraction
+        if row["used_steps"]:  # else nothing was applied or exact: 0 / 0
+            assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("dropped", "kept", "no error feedback")), row
+
+
+def test_json_text_puts_flat_lists_on_one_line_and_reads_back():
+    common = _import_bench("common")
+    data = {"curve": [1.5, -2e-07, 3], "words": ["inf", "fp8e4m3+ef"], "kept": ["a, b", "c"],
+            "nested": [[1, 2], {"x": None}], "flags": [True, None]}
+    text = common.json_text(data)
+    assert json.loads(text) == data
+    lines = text.splitlines()
+    assert ' "curve": [1.5, -2e-07, 3],' in lines and ' "words": ["inf", "fp8e4m3+ef"],' in lines
+    assert '  "a, b",' in lines  # a string with a comma is never split: its list keeps a line per item
+    assert '  [1, 2],' in lines and ' "flags": [true, null]' in lines
+
