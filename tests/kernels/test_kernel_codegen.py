@@ -117,7 +117,7 @@ def test_no_spills_and_registers_within_bounds(reports):
 # ---- the wire-format kernels (FP8 blocks, float32 sum of slices) ---------------------------------------------------
 
 # One warp per 128-element block holds a block's values, the residual and the dequantized copy at once; 40 leaves
-# headroom over what Triton 3.0-3.9 compiled them to (30-39, python -m bench.codegen_wire). With one warp per CTA
+# headroom over what Triton 3.0-3.9 compiled them to (30-39, python -m bench.codegen --wire). With one warp per CTA
 # the CTA limit per SM (32 on sm_90), not registers, bounds their occupancy (RESULTS.md says what is unmeasured).
 WIRE_REGISTER_CEILING = 40
 
@@ -125,21 +125,21 @@ WIRE_REGISTER_CEILING = 40
 @pytest.fixture(scope="module")
 def wire_reports():
     env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-m", "bench.codegen_wire", "--json"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "bench.codegen", "--wire", "--json"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)
 
 
 def test_wire_kernels_compile_without_spills_or_contraction(wire_reports):
-    from bench.codegen_wire import NO_FUSION
+    from bench.codegen import WIRE_NO_FUSION
 
-    assert {r["name"] for r in wire_reports} >= NO_FUSION | {"sum slices bf16 x8", "sum slices bf16 x8 -> fp32",
+    assert {r["name"] for r in wire_reports} >= WIRE_NO_FUSION | {"sum slices bf16 x8", "sum slices bf16 x8 -> fp32",
                                                               "sum blocks e4m3 x8 -> fp32"}
     for r in wire_reports:  # None: ptxas gave no report, which is a failure here, not a pass
         assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r
         assert r["registers"] is not None and r["registers"] <= WIRE_REGISTER_CEILING, r
-        if r["name"] in NO_FUSION:
+        if r["name"] in WIRE_NO_FUSION:
             # A fused multiply-add rounds once where the torch path rounds twice: the residuals would differ.
             assert not r["fp_fusion"] and r["fma"] == 0, r
 
@@ -154,8 +154,8 @@ def test_fp8_codes_are_stored_four_to_a_thread_not_byte_by_byte(wire_reports):
 
 def test_the_contraction_check_can_fail():
     """The same quantize launch compiled with contraction on does fuse: the fma count above measures something."""
-    code = ("import bench.codegen_wire as w; name, k, a, c, nw, _ = w.launches()[0]; "
-            "print(w.report(name, k, a, c, nw, {})['fma'])")
+    code = ("import bench.codegen as g; name, k, a, c, nw, _ = g.wire_launches()[0]; "
+            "print(g.wire_report(name, k, a, c, nw, {})['fma'])")
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
