@@ -17,11 +17,6 @@ logger = logging.getLogger(LOGGER_NAME)
 _said: Set[str] = set()
 
 
-def get_logger() -> logging.Logger:
-    """The ``ddp_triton`` logger."""
-    return logger
-
-
 def current_rank() -> int:
     """This process's global rank: from torch.distributed when initialised, else ``RANK`` from a launcher, else 0."""
     try:

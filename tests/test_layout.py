@@ -168,14 +168,3 @@ def test_bench_has_no_import_cycle(bench_graph):
     modules = set(bench_graph.modules)
     assert {"bench.cluster.cli", "bench.ddp_step", "bench.ddp_profile"} <= modules
     assert _cycles(Edges(), modules) == []
-
-
-@pytest.mark.parametrize("old,new", [("ddp_triton.topology", "ddp_triton.machine.topology"),
-                                     ("ddp_triton.profile", "ddp_triton.machine.profile")])
-def test_old_import_paths_still_work(old, new):
-    import importlib
-
-    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-    assert old_module.__all__ == new_module.__all__
-    for name in new_module.__all__:
-        assert getattr(old_module, name) is getattr(new_module, name), name

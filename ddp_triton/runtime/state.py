@@ -45,8 +45,10 @@ COMM_DTYPES = comm_dtypes()
 ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Profile, or None
 
 
-# Version of what a pickled CommState holds (``CommState.__getstate__``); a newer one than this is refused.
-_PICKLE_VERSION = 4  # 2: accumulate_dtype and error_feedback; 3: hierarchical; 4: comm_dtype may be "auto"
+# The format of what a pickled CommState holds (``CommState.__getstate__``); any other is refused, not converted.
+_PICKLE_VERSION = 4
+_PICKLED = ("version", "comm_dtype", "profile", "on_default_group", "accumulate_dtype", "error_feedback",
+            "hierarchical", "grad_stats", "timing")
 
 # Entries unused for this many backward passes are dropped: old buckets after DDP's rebuild, join()'s shadow
 # buckets, models that stopped training. Several models sharing a state each touch theirs every step, far within.
@@ -260,18 +262,21 @@ class CommState:
                 "grad_stats": self.grad_stats, "timing": self.timing}
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
-        """A state that binds at its first bucket: to the default group, or to ``process_group`` if set before."""
-        version = saved.get("version")
-        if not isinstance(version, int) or version > _PICKLE_VERSION:
-            raise ValueError(f"a CommState saved in format {version!r}; this ddp-triton reads up to {_PICKLE_VERSION}")
+        """A state that binds at its first bucket: to the default group, or to ``process_group`` if set before. A
+        state pickled in another format is refused with a ValueError saying what to do."""
+        version = saved.get("version") if isinstance(saved, dict) else None
+        if version != _PICKLE_VERSION or sorted(saved) != sorted(_PICKLED):
+            raise ValueError(f"a CommState pickled in format {version!r} by another ddp-triton; this one reads format "
+                             f"{_PICKLE_VERSION} only: make the state anew with ddp_triton.register(ddp_model, ...) "
+                             "(and load a saved model from its state_dict, not from a pickle)")
         self.process_group = None
         self.comm_dtype = saved["comm_dtype"]
         self.profile = saved["profile"]
-        self.accumulate_dtype = saved.get("accumulate_dtype")  # absent from format 1: what it meant then
-        self.error_feedback = saved.get("error_feedback")
-        self.hierarchical = saved.get("hierarchical", False)  # absent before format 3: flat, as then
-        self.grad_stats = saved.get("grad_stats", False)  # absent before grad_stats existed: off, as then
-        self.timing = saved.get("timing", False)
+        self.accumulate_dtype = saved["accumulate_dtype"]
+        self.error_feedback = saved["error_feedback"]
+        self.hierarchical = saved["hierarchical"]
+        self.grad_stats = saved["grad_stats"]
+        self.timing = saved["timing"]
         self.device = None  # the saving rank's device means nothing here; the first bucket's is used
         self._reset(settings_wire(self.comm_dtype, self.accumulate_dtype, self.error_feedback, self.hierarchical),
                     needs_group=not saved["on_default_group"])

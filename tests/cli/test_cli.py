@@ -105,6 +105,24 @@ def test_profile_show(env, tmp_path, capsys):
     assert Profile.from_dict(json.loads(capsys.readouterr().out)).digest() == Profile.load(good).digest()
 
 
+@pytest.mark.parametrize("version", [pytest.param(1, id="schema-1"), pytest.param(2, id="schema-2")])
+def test_a_profile_of_an_older_schema_is_one_line_and_exit_2(env, tmp_path, version):
+    good = tmp_path / "p.json"
+    assert cli(env, "autotune", "--model-only", "--topology", "dgx-h100", "--out", str(good), "--no-cache",
+               "--json").returncode == 0
+    # As the file was written before the schema had calibrations (1) and wire formats (2).
+    dropped = ("calibration", "formats") if version == 1 else ("formats",)
+    old = {k: v for k, v in json.loads(good.read_text()).items() if k not in dropped}
+    path = tmp_path / f"schema{version}.json"
+    path.write_text(json.dumps(dict(old, schema_version=version)))
+    line = (f"ddp-triton: error: {path}: a profile of schema_version {version}; this ddp-triton reads "
+            "schema_version 3 only: re-run `ddp-triton autotune` to write it again\n")
+    r = cli(env, "profile", "show", str(path))
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", line)
+    r = cli(env, "autotune", "--model-only", "--topology", "dgx-h100", "--no-cache", "--calibration", str(path))
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", line.replace("error: ", "error: --calibration ", 1))
+
+
 @pytest.mark.parametrize("field,value", [
     pytest.param("e2e", [1], id="e2e-list"),
     pytest.param("notes", "abc", id="notes-string"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -123,9 +122,7 @@ def _corrupt_variants(good: dict):
     yield "array", "[1, 2, 3]"
     d = dict(good, schema_version=4)
     yield "future-schema", json.dumps(d)
-    yield "v2-with-formats", json.dumps(dict(good, schema_version=2, formats=None))
     yield "schema-true", json.dumps(dict(good, schema_version=True))
-    yield "v1-with-calibration", json.dumps(dict(good, schema_version=1, calibration=None))
     yield "bad-calibration", json.dumps(dict(good, calibration={"algorithms": {"ring": {"latency_scale": -2}}}))
     d = dict(good)
     del d["table"]
@@ -423,46 +420,33 @@ def test_unknown_fields_are_refused_by_name(edit, name, tmp_path):
         Profile.load(path)
 
 
-V1_FILE = Path(__file__).resolve().parent / "data" / "profile_v1_dgx_h100_2nodes.json"
+def _older(d: dict, version: int) -> dict:
+    """``d`` as a file of ``version`` was written: schema 1 had no calibration, schema 2 no formats."""
+    dropped = {1: ("calibration", "formats"), 2: ("formats",)}.get(version, ())
+    return {**{k: v for k, v in d.items() if k not in dropped}, "schema_version": version}
 
 
-def test_a_version_1_profile_still_loads(tmp_path, monkeypatch):
-    # V1_FILE was written by `ddp-triton autotune --model-only --topology dgx-h100 --nodes 2 --max-bytes 64M` before
-    # calibrations existed (schema version 1, commit 405e7e4).
-    old = json.loads(V1_FILE.read_text())
-    assert old["schema_version"] == 1 and "calibration" not in old
-    p = load_profile(V1_FILE)
-    assert p.schema_version == 3 and p.calibration is None and p.formats is None
-    assert [t.to_dict() for t in p.table] == old["table"] and p.bucket_cap_mb == old["bucket_cap_mb"]
-    assert [r.to_dict() for r in p.sweep] == old["sweep"] and p.notes == old["notes"]
-    assert p.algorithm_for(1 << 30) == "nvls_tree"
-    # Written back as version 3; read again, the same profile.
-    again = load_profile(p.save(tmp_path / "p.json"))
-    assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 3
-    assert again.to_dict() == p.to_dict()
-    # In the cache, where the hook looks, it is found as well.
-    cached = cache_path(old["topology_fingerprint"], 16, 2, "bfloat16")
+@pytest.mark.parametrize("version", [pytest.param(1, id="schema-1"), pytest.param(2, id="schema-2"),
+                                     pytest.param(4, id="schema-4")])
+def test_a_profile_of_another_schema_is_refused_in_one_line_naming_autotune(h100x2, tmp_path, caplog, version):
+    # Older profiles are not converted: the line names the schema found, the one read, and how to write it again.
+    _, prof = h100x2
+    old = json.dumps(_older(prof.to_dict(), version))
+    path = tmp_path / "old.json"
+    path.write_text(old)
+    with pytest.raises(ProfileError) as raised:
+        load_profile(path)
+    message = str(raised.value)
+    assert message == (f"{path}: a profile of schema_version {version}; this ddp-triton reads schema_version 3 "
+                       "only: re-run `ddp-triton autotune` to write it again")
+    assert raised.value.path == str(path)
+    # In the cache, where profile='auto' looks, it is passed over with that line in a warning.
+    cached = cache_path(prof.topology_fingerprint, prof.world_size, prof.nodes, "bfloat16")
     cached.parent.mkdir(parents=True)
-    cached.write_text(V1_FILE.read_text())
-    found = find_cached_profile(old["topology_fingerprint"], 16, 2, "bfloat16")
-    assert found is not None and found.digest() == p.digest()
-
-
-V2_FILE = Path(__file__).resolve().parent / "data" / "profile_v2_dgx_h100_2nodes.json"
-
-
-def test_a_version_2_profile_still_loads_without_formats(tmp_path):
-    # V2_FILE was written by `ddp-triton autotune --model-only --topology dgx-h100 --nodes 2 --inter-node-gbps 400
-    # --max-bytes 64M` before profiles chose wire formats (schema version 2).
-    old = json.loads(V2_FILE.read_text())
-    assert old["schema_version"] == 2 and "formats" not in old
-    p = load_profile(V2_FILE)
-    assert p.schema_version == 3 and p.formats is None and p.format_for(1 << 20) is None
-    assert [t.to_dict() for t in p.table] == old["table"] and [r.to_dict() for r in p.sweep] == old["sweep"]
-    again = load_profile(p.save(tmp_path / "p.json"))
-    assert json.loads((tmp_path / "p.json").read_text())["formats"] is None and again.to_dict() == p.to_dict()
-    with pytest.raises(ProfileError, match="chooses no wire formats"):
-        p.check_matches(comm_dtype="auto")
+    cached.write_text(old)
+    with caplog.at_level(logging.WARNING, logger="ddp_triton"):
+        assert find_cached_profile(prof.topology_fingerprint, prof.world_size, prof.nodes, "bfloat16") is None
+    assert "re-run `ddp-triton autotune`" in caplog.text and str(cached) in caplog.text
 
 
 def _with_formats(**changes):

@@ -183,6 +183,8 @@ def _write_profile_file(path, kind, world_size):
         content = _formats_profile(world_size + 2).to_json()
     elif kind == "newer-schema":
         content = json.dumps({**json.loads(text), "schema_version": 99})
+    elif kind == "schema-2":  # as written before profiles chose wire formats
+        content = json.dumps({**{k: v for k, v in json.loads(text).items() if k != "formats"}, "schema_version": 2})
     elif kind == "missing":
         return
     else:
@@ -226,8 +228,10 @@ def _unusable_file_worker(rank, world_size, tmp, kinds, comm_dtype, why):
     pytest.param(("other-world-size",) * 2, "auto", r"world_size=4, this run has 2", id="other-world-size"),
     pytest.param(("other-world-size",) * 2, torch.float32, r"world_size=4, this run has 2",
                  id="other-world-size-fp32"),
-    pytest.param(("newer-schema",) * 2, "auto", r"schema_version 99 is not one this version reads",
+    pytest.param(("newer-schema",) * 2, "auto", r"schema_version 99; this ddp-triton reads schema_version 3 only",
                  id="newer-schema"),
+    pytest.param(("schema-2",) * 2, torch.float32, r"schema_version 2; this ddp-triton reads schema_version 3 only: "
+                 r"re-run `ddp-triton autotune`", id="schema-2"),
     pytest.param(("good", "missing"), "auto", r"cannot read profile: No such file", id="missing-on-rank-1"),
     pytest.param(("good", "truncated"), torch.float32, r"not valid JSON", id="truncated-on-rank-1"),
     pytest.param(("missing", "good"), "auto", r"cannot read profile: No such file", id="missing-on-rank-0"),

@@ -1,7 +1,7 @@
 """A CommState that can be saved: torch.save/torch.load of a whole DDP model, copy.deepcopy, plain pickle.
 
 Tier: gloo multi-process on CPU (world size 2, spawned here), kernels on their torch CPU path, bfloat16 on the wire
-unless said. A restored model is compared with one that was never saved, trained on the same data: bit for bit,
+unless said; the states pickled in another format are refused without processes. A restored model is compared with one that was never saved, trained on the same data: bit for bit,
 since both run the same hook on the same gradients and only DDP's bucket layout differs (the hook works element by
 element). torch rebuilds DDP's reducer on unpickling without its comm hook, so the restored model is given its
 hook back with ``ddp_triton.reattach``; the tests check the restored state did the averaging.
@@ -85,6 +85,35 @@ def _contents_worker(rank, world_size, tmp):
 
 def test_pickled_state_holds_settings_only(tmp_path):
     torch_path_workers(_contents_worker, WORLD, str(tmp_path))
+
+
+class _Pickled:
+    """Pickles as a CommState whose saved settings are ``saved``: what an earlier ddp-triton wrote."""
+
+    def __init__(self, saved):
+        self.saved = saved
+
+    def __reduce__(self):
+        return CommState.__new__, (CommState,), self.saved  # unpickled as any object: made, then __setstate__
+
+
+@pytest.mark.parametrize("version, absent", [
+    pytest.param(1, ("accumulate_dtype", "error_feedback", "hierarchical", "grad_stats", "timing"), id="format-1"),
+    pytest.param(2, ("hierarchical", "grad_stats", "timing"), id="format-2"),
+    pytest.param(3, ("grad_stats", "timing"), id="format-3"),
+    pytest.param(4, ("grad_stats", "timing"), id="format-4-before-grad-stats"),
+    pytest.param(5, (), id="newer-format"),
+])
+def test_a_state_pickled_in_another_format_is_refused_saying_what_to_do(version, absent):
+    # No processes: unpickling only reads settings. Each earlier format lacked the settings added after it.
+    saved = CommState(profile=None, comm_dtype=torch.float16).__getstate__()
+    assert pickle.loads(pickle.dumps(_Pickled(saved))).comm_dtype == torch.float16  # the current format loads
+    old = {**{k: v for k, v in saved.items() if k not in absent}, "version": version}
+    with pytest.raises(ValueError) as raised:
+        pickle.loads(pickle.dumps(_Pickled(old)))
+    message = str(raised.value)
+    assert f"pickled in format {version} by another ddp-triton; this one reads format 4 only" in message, message
+    assert "ddp_triton.register(" in message and "\n" not in message
 
 
 def _save_load_worker(rank, world_size, tmp):

@@ -17,9 +17,9 @@ from .format_rule import (CONFIDENCE, SWITCH_TOLERANCE, FormatDecision, TimingSt
                           median_interval, preference_key, significantly_faster, sorted_by_preference)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
                       format_choice, model_format_choice, model_format_rows, ring_error, runs_flat)
-from .schema import (AUTO_FORMAT, BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, SUPPORTED_SCHEMA_VERSIONS,
-                     FormatChoice, FormatRange, FormatRow, MiB, Profile, ProfileError, SweepRow, TableEntry,
-                     ddp_kwargs, format_bytes, load_profile, now_iso)
+from .schema import (AUTO_FORMAT, BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, FormatChoice, FormatRange,
+                     FormatRow, MiB, Profile, ProfileError, SweepRow, TableEntry, ddp_kwargs, format_bytes, load_profile,
+                     now_iso)
 
 __all__ = [
     "AUTO_FORMAT",
@@ -58,7 +58,6 @@ __all__ = [
     "ProfileError",
     "SCHEMA_VERSION",
     "SOURCES",
-    "SUPPORTED_SCHEMA_VERSIONS",
     "SweepRow",
     "TableEntry",
     "build_table",

@@ -24,12 +24,12 @@ Schema, version 3 (``SCHEMA_VERSION``)::
       "versions": {"ddp_triton": "0.1.0", "torch": "...", "nccl": "2.21.5", ...},
       "created": "2026-11-30T12:00:00+00:00",
       "e2e": null | {...},                      # e2e mode: candidates and their step times
-      "calibration": null | {                   # version 2: the cost model fitted to the measured sweep
+      "calibration": null | {                   # the cost model fitted to the measured sweep
         "algorithms": {"ring": {"latency_scale": 1.3, "bandwidth_scale": 0.95, "rms_log_error": 0.04,
                                 "points": 21}, ...},
         "ranks_per_node": 8, "nodes": 1, "arch": "hopper", "intra_link": "nvlink", "backend": "nccl",
         "node_fingerprint": "..."},            # ddp_triton.machine.cost_model.Calibration
-      "formats": null | {                       # version 3: the wire format per bucket size (autotune --formats)
+      "formats": null | {                       # the wire format per bucket size (autotune --formats)
         "source": "model" | "measured",
         "allowed": ["fp32", "bf16", "bf16+fp32sum"],   # what the user accepts (runtime names, canonical)
         "admitted": ["fp32", "bf16+fp32sum"],          # what was chosen among, after the accuracy rule
@@ -44,9 +44,7 @@ Schema, version 3 (``SCHEMA_VERSION``)::
       "notes": ["..."]
     }
 
-Older files load: version 1 is version 2 without ``calibration``, version 2 is version 3 without ``formats``
-(null: the hook sends every bucket in its own ``comm_dtype``); they are written back as version 3. A version this
-code does not know is refused.
+A file of another schema version is refused with one line that says to re-run ``ddp-triton autotune``.
 
 Algorithm names are ``ddp_triton.machine.cost_model.ALGORITHMS`` (ring, tree, nvls, nvls_tree).
 """
@@ -69,8 +67,6 @@ from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration, parse_format
 from .format_rule import TimingStats
 
 SCHEMA_VERSION = 3
-#: Versions ``from_dict`` reads: 1 (before calibrations) and 2 (before formats) are read as 3 without them.
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
 SOURCES = ("model", "measured", "e2e")
 #: The hook's ``comm_dtype`` that takes each bucket's wire format from a profile's ``formats``.
 AUTO_FORMAT = "auto"
@@ -118,12 +114,9 @@ def _bounds(entry: Any, where: str) -> None:
         entry.max_bytes = _int(entry.max_bytes, "max_bytes", where, entry.min_bytes)
 
 
-_PROFILE_FIELDS_V1 = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb",
-                      "bucket_reason", "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions",
-                      "created", "e2e", "notes")
-_PROFILE_FIELDS_V2 = _PROFILE_FIELDS_V1 + ("calibration",)
-_PROFILE_FIELDS = _PROFILE_FIELDS_V2 + ("formats",)
-_FIELDS_BY_VERSION = {1: _PROFILE_FIELDS_V1, 2: _PROFILE_FIELDS_V2, 3: _PROFILE_FIELDS}
+_PROFILE_FIELDS = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb", "bucket_reason",
+                   "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions", "created", "e2e",
+                   "notes", "calibration", "formats")
 _FORMATS_FIELDS = ("source", "allowed", "admitted", "table", "rows", "host", "notes")
 _FORMAT_RANGE_FIELDS = ("min_bytes", "max_bytes", "format", "reason")
 _FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us", "interval_us", "samples")
@@ -541,14 +534,14 @@ class Profile:
     def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
         """Build and validate; ValueError (KeyError/TypeError turned into ValueError) on bad content. A field the
         schema does not have (a misspelt one, say), at the top or in a table or sweep entry, is refused by name, as
-        topology files refuse theirs. A version 1 or 2 file becomes a version 3 profile without what it lacks."""
+        topology files refuse theirs, and so is any schema version but this one (older files are not converted)."""
         if not isinstance(d, Mapping):
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if isinstance(version, bool) or version not in SUPPORTED_SCHEMA_VERSIONS:
-            supported = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
-            raise ValueError(f"schema_version {version!r} is not one this version reads ({supported})")
-        _refuse_unknown(d, _FIELDS_BY_VERSION[version], "")
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
+            raise ProfileError(f"a profile of schema_version {version!r}; this ddp-triton reads schema_version "
+                               f"{SCHEMA_VERSION} only: re-run `ddp-triton autotune` to write it again")
+        _refuse_unknown(d, _PROFILE_FIELDS, "")
         _refuse_unknown_in_lists(d, (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)), "")
         notes = d.get("notes") or []
         try:
@@ -580,8 +573,8 @@ class Profile:
             raise ProfileError(f"not valid JSON ({e})", path) from None
         try:
             return cls.from_dict(data)
-        except ProfileError:
-            raise
+        except ProfileError as e:
+            raise ProfileError(e.reason, e.path or path) from None
         except RecursionError:
             raise ProfileError("invalid profile: nested too deeply", path) from None
         except ValueError as e:
