@@ -7,8 +7,7 @@
 * ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
   ``step_timing.load_factory``) for candidate bucket sizes and hooks; the fastest wins. ``e2e_base_profile``: the
   profile it starts from.
-* ``write_nccl_tuner_csv``: the profile's table as the CSV NCCL's example tuner plugin reads
-  (``nccl_tuner_csv_text``: the same text, unwritten).
+* ``nccl_tuner_csv_text``: the profile's table as the CSV NCCL's example tuner plugin reads.
 
 The cost model's profile needs no measuring: ``ddp_triton.machine.profile.model_profile``. ``measure_worker`` and
 ``e2e_worker`` are the entry points ``processes.spawn_local`` runs on each process.
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -29,7 +28,6 @@ from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_FRACTIO
                                fallback_profile, format_bytes, format_choice, now_iso, profile_from_rows,
                                rows_for_dtype, save_to_cache)
 from ..machine.topology import Topology
-from ..safe_write import atomic_write_text
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
 from .step_timing import E2E_HOOKS, run_e2e
@@ -284,11 +282,3 @@ def nccl_tuner_csv_text(profile: Profile) -> str:
                      f"{profile.nodes},{profile.world_size}")
     return "\n".join(lines) + "\n"
 
-
-def write_nccl_tuner_csv(profile: Profile, path: Union[str, Path]) -> Path:
-    """Write ``nccl_tuner_csv_text(profile)`` to ``path``, atomically; returns the path.
-
-    ValueError when the profile cannot be a tuner CSV (see there), and ``OutputError`` (a ValueError naming the
-    path) when ``path`` is a symlink, directory, device or FIFO, or cannot be written: nothing is written then.
-    """
-    return atomic_write_text(path, nccl_tuner_csv_text(profile))

@@ -24,7 +24,7 @@ from ddp_triton.machine import cost_model as cm
 from ddp_triton.machine.profile import Profile, TableEntry, cache_path, fallback_profile, model_profile
 from ddp_triton.machine.topology import apply_launch_env, from_nvml, load_topology
 from ddp_triton.tune.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default_algorithms, e2e_profile,
-                                      measure_profile, share_profile, write_nccl_tuner_csv)
+                                      measure_profile, nccl_tuner_csv_text, share_profile)
 from ddp_triton.tune.step_timing import e2e_bucket_candidates, load_factory
 from ddp_triton.tune.sweep import format_rows
 
@@ -121,11 +121,10 @@ def test_measure_plan_per_dtype(monkeypatch):
     assert "one all-reduce algorithm" in bad["error"]
 
 
-def test_write_nccl_tuner_csv(tmp_path):
+def test_nccl_tuner_csv_text():
     topo = apply_launch_env(load_topology("dgx-h100"), nodes=2, env={})
     p = model_profile(topo)
-    path = write_nccl_tuner_csv(p, tmp_path / "sub" / "tuner.csv")
-    lines = path.read_text().splitlines()
+    lines = nccl_tuner_csv_text(p).splitlines()
     assert lines[1] == "# " + TUNER_CSV_HEADER
     rows = [ln.split(",") for ln in lines if not ln.startswith("#")]
     assert len(rows) == len(p.table)
@@ -138,10 +137,10 @@ def test_write_nccl_tuner_csv(tmp_path):
     assert int(rows[0][1]) == 0 and all(int(a[2]) + 1 == int(b[1]) for a, b in zip(rows, rows[1:]))
 
 
-def test_tuner_csv_needs_protocols(tmp_path):
+def test_tuner_csv_needs_protocols():
     p = fallback_profile(2, 1, "bfloat16", "gloo")
     with pytest.raises(ValueError, match="protocol"):
-        write_nccl_tuner_csv(p, tmp_path / "x.csv")
+        nccl_tuner_csv_text(p)
 
 
 def test_e2e_bucket_candidates():

@@ -139,11 +139,10 @@ SM90_SPEED_ARRAY_INTRA = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 
 #: The search looks for at most MAXCHANNELS/2 channels (MAXCHANNELS 32 in 2.23.4); the communicator doubles them.
 MAX_GRAPH_CHANNELS = 16
 MAX_CHANNELS = 32
-#: ``NCCL_STEPS`` (device.h): slots per connection; a step is buffer / NCCL_STEPS.
-NCCL_STEPS = 8
-#: Data bytes one ring step moves per channel at most (``calcCollChunking``): LL 512 KiB buffer / 8 steps / 2 (half
-#: of each LL line is flags); LL128 4,915,200 B / 8 * 15/16 (15 data words of 16); Simple 4 MiB / 8 *
-#: ALLREDUCE_CHUNKSTEPS 4 (collectives.h). A message larger than channels x ranks x this runs in several windows.
+#: Data bytes one ring step moves per channel at most (``calcCollChunking``), a step being a buffer over its
+#: ``NCCL_STEPS`` 8 slots (device.h): LL 512 KiB buffer / 8 steps / 2 (half of each LL line is flags); LL128
+#: 4,915,200 B / 8 * 15/16 (15 data words of 16); Simple 4 MiB / 8 * ALLREDUCE_CHUNKSTEPS 4 (collectives.h). A
+#: message larger than channels x ranks x this runs in several windows.
 RING_CHUNK_BYTES = (32 * 1024, 576_000, 2 * 1024 * 1024)
 #: Bytes per thread below which NCCL drops a channel (comm.h: LL 8 (x nRanks for rings), LL128 8, Simple 64) and the
 #: threads per channel they count (LL 512, LL128 640, Simple 512; trees always 640): ``enqueue.cc`` keeps
