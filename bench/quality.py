@@ -57,29 +57,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
 from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, pyplot, write_json  # noqa: E402
+from ddp_triton.formats import WireFormat  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 from examples.train import synthetic_dataset  # noqa: E402
 
 
+#: The DDP formats, each with ``register``'s options that name it. The two-level ones (hierarchical=True): the ranks
+#: are 2 nodes (GROUP_RANK = rank // (N/2)); at 2 ranks, one rank per node, they run flat.
 FORMATS: Dict[str, Dict[str, Any]] = {
-    "fp32": {"comm_dtype": torch.float32},
-    "bf16": {"comm_dtype": torch.bfloat16},
-    "bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32},
-    "fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True},
-    "fp8e4m3": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": False},
-    # Two-level (hierarchical=True): the ranks are 2 nodes (GROUP_RANK = rank // (N/2)); at 2 ranks, one rank per
-    # node, they run flat.
-    "two-level bf16": {"comm_dtype": torch.bfloat16, "hierarchical": True},
-    "two-level bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32, "hierarchical": True},
-    "two-level fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True, "hierarchical": True},
-}
+    name: WireFormat.parse(name).options() for name in
+    ("fp32", "bf16", "bf16+fp32sum", "fp8e4m3+ef", "fp8e4m3", "two-level bf16", "two-level bf16+fp32sum",
+     "two-level fp8e4m3+ef")}
 #: FSDP2 instead of DDP (``fully_shard`` on the model; the same data, weights and optimizer): its own float32 and
 #: ``reduce_dtype=torch.bfloat16`` reduce-scatters, and ours (``ddp_triton.fsdp.register`` with these options).
 FSDP_FORMATS: Dict[str, Optional[Dict[str, Any]]] = {
     "fsdp fp32": None,
     "fsdp bf16 reduce_dtype": None,
-    "fsdp bf16+fp32sum": {"comm_dtype": torch.bfloat16, "accumulate_dtype": torch.float32},
-    "fsdp fp8e4m3+ef": {"comm_dtype": torch.float8_e4m3fn},
+    "fsdp bf16+fp32sum": WireFormat.parse("bf16+fp32sum").options(),
+    "fsdp fp8e4m3+ef": WireFormat.parse("fp8e4m3+ef").options(),
 }
 #: The targets: final loss within this fraction of fp32's (DDP's fp32 run).
 TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02, "two-level bf16+fp32sum": 0.005, "two-level fp8e4m3+ef": 0.02,

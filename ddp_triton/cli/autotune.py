@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import COMM_DTYPE_NAMES, dtype_size, normalize_dtype
+from ..formats import TRAFFIC, WireFormat
 from ..log import warn_once
 from ..machine import cost_model as cm
 from ..machine import profile as profiles
@@ -227,7 +228,7 @@ def _check_formats(args: argparse.Namespace) -> None:
         raise UsageError("--formats names no format")
     for name in args.formats:
         try:
-            cm.parse_format(name)
+            WireFormat.parse(name)
         except ValueError as e:
             raise UsageError(f"--formats: {e}") from None
     _format_sizes(args)
@@ -285,14 +286,14 @@ WIRE_TABLE_BUCKET_MIB = (1, 4, 16, 25, 64, 256)
 
 def _wire_table(fabric: cm.Fabric) -> str:
     """Predicted wire time per bucket size and wire format, microseconds, and the fastest format."""
-    head = ["bucket (fp32)", *[f"{w} us" for w in cm.WIRE_FORMATS], "fastest"]
+    head = ["bucket (fp32)", *[f"{w} us" for w in TRAFFIC], "fastest"]
     lines = [f"wire formats, predicted time per bucket ({fabric.ranks_per_node} per node x {fabric.nodes} node(s); "
              "the wire only, not the casts or sums):"]
     rows = []
     for mib in WIRE_TABLE_BUCKET_MIB:
         n = mib * MIB // 4
-        times = {w: cm.wire_format_time_us(fabric, n, w) for w in cm.WIRE_FORMATS}
-        rows.append([f"{mib} MiB", *[f"{times[w]:.1f}" for w in cm.WIRE_FORMATS], min(times, key=times.get)])
+        times = {w: cm.wire_format_time_us(fabric, n, w) for w in TRAFFIC}
+        rows.append([f"{mib} MiB", *[f"{times[w]:.1f}" for w in TRAFFIC], min(times, key=times.get)])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))

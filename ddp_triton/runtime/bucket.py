@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..formats import WireFormat
 from .collective_errors import completed
 from .exchange import (ExchangeQueue, StagedExchange, all_reduce_exchange, all_reduce_options,
                        block_fp8_exchange, float32_sum_exchange)
@@ -35,7 +36,6 @@ from .two_level import two_level_exchange
 from .grad_stats import BucketCoverage, new_stats
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import BucketRecord, Watch, wire_name
-from .wire import WireFormat
 
 
 def split_average(world_size: int, comm_dtype: torch.dtype) -> Tuple[float, float]:
@@ -191,7 +191,7 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
     """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and, for FP8, its parameters).
 
     ``group_for(nbytes)`` gives the (group, algorithm) a message of that size goes to; ``nodes``, the groups of a
-    two-level exchange (``wire.hierarchical``). Collective for FP8 with error feedback when its residuals move from
+    two-level exchange (``wire.two_level``). Collective for FP8 with error feedback when its residuals move from
     an earlier layout: the caller issues it in the state's one order.
 
     ``mixed``: the state's buckets travel in formats of their own (a profile's per-size formats): a bucket whose
@@ -214,7 +214,7 @@ def bind_bucket(buffer: torch.Tensor, bucket: Any, *, wire: WireFormat, group: A
     if wire.block_scaled and sum(sizes) != buffer.numel():  # a bucket without its parameters: blocks cannot follow
         raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
                          f"{sum(sizes)} of {buffer.numel()} elements")
-    if wire.hierarchical:
+    if wire.two_level:
         if nodes is None:
             raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
         exchange, held, pass_bytes = two_level_exchange(

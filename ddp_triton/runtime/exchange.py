@@ -1,8 +1,8 @@
 """Sharded exchanges: a bucket averaged by all-to-all, a local float32 sum and all-gather, instead of one all-reduce.
 
-Used by the wire formats whose sum must not be taken in the wire dtype (``wire.py``): 16 bits with float32 sums, and
-block-scaled FP8. Per bucket: a kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each
-rank the N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard,
+Used by the wire formats whose sum must not be taken in the wire dtype (``formats.py``): 16 bits with float32 sums,
+and block-scaled FP8. Per bucket: a kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands
+each rank the N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard,
 and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's. The three
 kernels are bound once to the bucket's buffers (``kernels.bind_*``: direct launches on CUDA, no checks per step).
 
@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..formats import WireFormat
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
 from .collective_errors import HookResult, collective_error, completed, waited
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
-from .wire import WireFormat
 
 # torch >= 2.12 names the all-gather into one tensor all_gather_single; older releases all_gather_into_tensor.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

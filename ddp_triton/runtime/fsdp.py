@@ -3,7 +3,7 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters each FSDP group's gradients as one flat input in its
 reduce dtype: row r of ``input.view(N, -1)`` holds every parameter's r-th chunk (padded), and rank r keeps the sum of
 the rows r. FSDP2 lets a user replace that call (``FSDPModule.set_custom_reduce_scatter``, torch >= 2.9); ours
-sends the gradients in a wire format (``wire.py``, the same options and checks as ``CommState``):
+sends the gradients in a wire format (``ddp_triton/formats.py``, the same options and checks as ``CommState``):
 
 - ``float32``: torch's own reduce-scatter, unchanged: the same bits as FSDP2 without us.
 - ``bfloat16`` / ``float16`` with ``accumulate_dtype=torch.float32``: each rank scales its input by the average's
@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..formats import WireFormat
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .bucket import split_average
@@ -70,7 +71,6 @@ from .collective_errors import run_collective
 from .exchange import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
-from .wire import WireFormat, resolve_wire_format
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
     from torch.distributed.fsdp import FSDPModule
@@ -422,7 +422,7 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
                            f"set_custom_reduce_scatter); this is torch {torch.__version__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"register expects an nn.Module sharded with fully_shard, got {type(model).__name__}")
-    wire = resolve_wire_format(comm_dtype, accumulate_dtype, error_feedback)
+    wire = WireFormat.from_options(comm_dtype, accumulate_dtype, error_feedback)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
@@ -432,8 +432,8 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
         if not isinstance(replicate_group, dist.ProcessGroup):
             raise TypeError(f"replicate_group must be a torch.distributed ProcessGroup, got "
                             f"{type(replicate_group).__name__}")
-        replica_wire = resolve_wire_format(replicate_comm_dtype, replicate_accumulate_dtype,
-                                           replicate_error_feedback)
+        replica_wire = WireFormat.from_options(replicate_comm_dtype, replicate_accumulate_dtype,
+                                               replicate_error_feedback)
         if any(_is_native_hsdp(m) for m in modules):
             raise ValueError("the model is sharded on a 2-D mesh (native HSDP), which all-reduces the replicas "
                              "itself in float32: shard it on the mesh's shard dimension (mesh['shard']) and pass "

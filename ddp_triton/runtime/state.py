@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import comm_dtypes
+from ..formats import WireFormat
 from ..log import logger, warn_once
 from ..machine.profile import AUTO_FORMAT
 from . import grad_stats as stats
@@ -37,7 +38,6 @@ from .nodes import NodeGroups, bind_node_groups
 from .profile_choice import bind_profile, check_profile_spec
 from .residuals import ResidualStore
 from .telemetry import Summary, summarize
-from .wire import WireFormat, resolve_wire_format, wire_format_named
 
 #: The dtypes the hook can all-reduce in (``ddp_triton.dtypes.COMM_DTYPE_NAMES``), as torch dtypes.
 COMM_DTYPES = comm_dtypes()
@@ -103,8 +103,8 @@ class CommState:
 
     # ---- what the state builds; made by ``_reset`` (construction and unpickling alike) ----------------------------
     wire: WireFormat = field(init=False, repr=False)
-    """The wire format of the settings (``wire.py``); with ``comm_dtype="auto"``, bfloat16's, for the buckets of a
-    state that found no profile with formats."""
+    """The wire format of the settings (``ddp_triton/formats.py``); with ``comm_dtype="auto"``, bfloat16's, for the
+    buckets of a state that found no profile with formats."""
     formats: Optional[Dict[str, WireFormat]] = field(init=False, repr=False)
     """With ``comm_dtype="auto"`` and a profile that chooses formats, once bound: each format it may choose, by name
     (``active_profile.format_for`` gives a bucket's); None: every bucket in ``wire``."""
@@ -209,7 +209,7 @@ class CommState:
             wire_format=self.wire_setting, device=self.device)  # the ranks agree on the wire format here
         if self.comm_dtype == AUTO_FORMAT:  # every rank follows the same profile (agreed above), so the same formats
             self.formats = formats_of(self.active_profile)
-        two_level = [w for w in (self.formats or {self.wire.name: self.wire}).values() if w.hierarchical]
+        two_level = [w for w in (self.formats or {self.wire.name: self.wire}).values() if w.two_level]
         if two_level:
             on_device = self.device is not None and self.device.type == "cuda"
             with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
@@ -329,7 +329,7 @@ class CommState:
                            grad_stats=self.grad_stats, group_for=self._group_for, residuals=self.residuals,
                            queue=self.exchanges, nodes=self.nodes, mixed=self.formats is not None,
                            queue_all_reduce=self.formats is not None and any(
-                               (w.sharded and not w.one_all_reduce(self.world_size)) or w.hierarchical
+                               (w.sharded and not w.one_all_reduce(self.world_size)) or w.two_level
                                for w in self.formats.values()))
 
     def _group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
@@ -458,7 +458,7 @@ def check_options(options: Dict[str, Any]) -> WireFormat:
 
 
 def settings_wire(comm_dtype: Any, accumulate_dtype: Any, error_feedback: Any, hierarchical: Any) -> WireFormat:
-    """The WireFormat of a state's settings (``resolve_wire_format``); for ``comm_dtype="auto"``, bfloat16's, the
+    """The WireFormat of a state's settings (``WireFormat.from_options``); for ``comm_dtype="auto"``, bfloat16's, the
     others being left unset (each bucket's format names them), else a ValueError naming the one that is set."""
     if isinstance(comm_dtype, str):
         if comm_dtype != AUTO_FORMAT:
@@ -468,8 +468,8 @@ def settings_wire(comm_dtype: Any, accumulate_dtype: Any, error_feedback: Any, h
             if value is not unset:
                 raise ValueError(f"comm_dtype='auto' takes each bucket's wire format from the profile, which names "
                                  f"its sums, error feedback and levels: leave {name} unset (got {value!r})")
-        return resolve_wire_format(torch.bfloat16)
-    return resolve_wire_format(comm_dtype, accumulate_dtype, error_feedback, hierarchical)
+        return WireFormat.from_options(torch.bfloat16)
+    return WireFormat.from_options(comm_dtype, accumulate_dtype, error_feedback, hierarchical)
 
 
 def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:
@@ -480,7 +480,7 @@ def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:
         warn_once("triton_hook: comm_dtype='auto' found no profile that chooses wire formats (make one with "
                   "`ddp-triton autotune --formats ...`); every bucket travels in bfloat16", all_ranks=True)
         return None
-    return {name: wire_format_named(name) for name in dict.fromkeys(r.format for r in choice.table)}  # digested
+    return {name: WireFormat.parse(name) for name in dict.fromkeys(r.format for r in choice.table)}  # digested
 
 
 _default_states: Dict[int, CommState] = {}

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..formats import WireFormat
 from ..kernels.fp8 import BLOCK_ELEMENTS
 from .exchange import (ShardedExchange, Stage, StagedExchange, all_gather_into, block_fp8_exchange,
                        float32_sum_exchange)
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import IN_NODE, wire_name
-from .wire import WireFormat
 
 
 def part_length(n: int, local_size: int) -> int:

@@ -21,12 +21,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..formats import WireFormat, canonical_name
 from ..machine import cost_model as cm
 from ..machine.profile import median_interval, runs_flat
 from ..runtime.algo_groups import gather_text
 from ..runtime.nodes import node_name, partition
 from ..runtime.state import CommState
-from ..runtime.wire import wire_format_named
 from .processes import agree_on_plan, comm_device
 from .progress import Progress
 
@@ -62,10 +62,7 @@ class _Bucket:
 
 
 def _state_for(name: str) -> CommState:
-    wire = wire_format_named(name)
-    return CommState(comm_dtype=wire.comm_dtype, accumulate_dtype=wire.accumulate_dtype,
-                     error_feedback=wire.error_feedback if wire.block_scaled else None,
-                     hierarchical=wire.hierarchical, profile=None)
+    return CommState(**WireFormat.parse(name).options(), profile=None)
 
 
 def node_count() -> int:
@@ -107,14 +104,14 @@ def time_formats(sizes: Sequence[int], formats: Sequence[str], warmup: int = 2, 
     on ``fabric`` with ``host`` (None without a fabric). A two-level format where the exchange runs flat here (one
     node, or one rank per node) is a ValueError: time its flat format (``admitted_formats`` names it so). The bucket
     holds random gradients (the same on every rank, so the average stays finite however often it is taken)."""
-    names = [cm.parse_format(f).name for f in formats]
+    names = [canonical_name(f) for f in formats]
     plan = agree_on_plan({"sizes": [int(s) for s in sizes], "formats": names, "warmup": int(warmup),
                           "min_rounds": int(min_rounds), "max_rounds": int(max_rounds),
                           "rel_error": float(rel_error), "budget_s": float(budget_s)})
     _check_plan(plan)
     sizes, names = plan["sizes"], plan["formats"]
     nodes = node_count()
-    flat = [n for n in names if cm.parse_format(n).two_level and runs_flat(dist.get_world_size(), nodes)]
+    flat = [n for n in names if WireFormat.parse(n).two_level and runs_flat(dist.get_world_size(), nodes)]
     if flat:
         raise ValueError(f"{', '.join(flat)}: on {nodes} node(s) of {dist.get_world_size()} ranks a two-level "
                          "exchange runs flat; time the flat format instead")

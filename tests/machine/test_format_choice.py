@@ -3,6 +3,7 @@ per range, the cost model's price of a bucket (wire plus host), and the format n
 
 import pytest
 
+from ddp_triton.formats import WireFormat
 from ddp_triton.machine import cost_model as cm
 from ddp_triton.machine.profile import (ERROR_RATIO_LIMIT, FormatRow, admitted_formats, choose_formats,
                                         model_format_choice, ring_error)
@@ -58,12 +59,12 @@ def test_modelled_times_switch_only_beyond_the_tolerance_and_ranges_follow_the_s
 def test_a_bucket_costs_its_wire_and_its_host_work():
     n = 1 << 20
     for name in ("fp32", "bf16+fp32sum", "fp8e4m3+ef", "two-level fp8e4m3+ef"):
-        fmt = cm.parse_format(name)
+        fmt = WireFormat.parse(name)
         wire = (cm.two_level_time_us if fmt.two_level else cm.wire_format_time_us)(EMULATED_1GBIT, n, fmt.traffic)
         host = cm.host_time_us(EMULATED_1GBIT, n, fmt, cm.CPU_HOST_COST)
         assert cm.bucket_time_us(EMULATED_1GBIT, n, name, cm.CPU_HOST_COST) == pytest.approx(wire + host)
     # One collective for an all-reduce, two for the float32 sums, two more for two levels.
-    assert [cm.collectives_of(cm.parse_format(f), EMULATED_1GBIT) for f in
+    assert [cm.collectives_of(WireFormat.parse(f), EMULATED_1GBIT) for f in
             ("bf16", "bf16+fp32sum", "two-level bf16", "two-level fp8e4m3+ef")] == [1, 2, 3, 4]
     # The host's fixed cost decides small buckets: at 4 KiB the staged formats' extra collectives cost more than
     # the bytes they save.

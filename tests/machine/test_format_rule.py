@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
+from ddp_triton.formats import preference_key, sorted_by_preference
 from ddp_triton.machine.profile import (FormatRow, TimingStats, admitted_formats, choose_format, choose_formats,
-                                        decide_format, median_interval, preference_key, sorted_by_preference)
+                                        decide_format, median_interval)
 
 # The order of the README's accuracy table, most accurate first (bf16 + fp32 sums, bf16; fp16 overflows; FP8 with
 # error feedback before without), flat before two-level.

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from ddp_triton.formats import TRAFFIC, traffic_of
 from ddp_triton.machine import cost_model as cm
 from ddp_triton.machine.topology import apply_launch_env, load_topology
 
@@ -85,7 +86,7 @@ def test_fp8_wins_across_nodes_with_one_gpu_each():
     # collectives' latencies are small beside it. README, "Cost model".
     f = fabric("h200-vm-1gpu", 4, inter=12.5)
     n = 64 << 20 >> 2  # a 64 MiB bucket of float32 gradients
-    times = {w: cm.wire_format_time_us(f, n, w) for w in cm.WIRE_FORMATS}
+    times = {w: cm.wire_format_time_us(f, n, w) for w in TRAFFIC}
     assert min(times, key=times.get) == "fp8"
     # bytes 1.03125 / 2 of bf16's; 0.6 leaves room for the latencies.
     assert times["fp8"] < 0.6 * times["bf16"]
@@ -97,7 +98,7 @@ def test_all_to_all_formats_pay_at_the_nics_of_8_gpu_nodes():
     f = fabric("dgx-h100", 4)
     for mib in (4, 64):
         n = (mib << 20) >> 2
-        times = {w: cm.wire_format_time_us(f, n, w) for w in cm.WIRE_FORMATS}
+        times = {w: cm.wire_format_time_us(f, n, w) for w in TRAFFIC}
         assert min(times, key=times.get) in ("bf16", "fp16"), (mib, times)
         assert times["bf16+fp32sum"] > times["bf16"]
 
@@ -109,7 +110,7 @@ def test_wire_format_input_errors():
         cm.wire_collectives(0, "fp8", 8)
     with pytest.raises(ValueError, match="world_size"):
         cm.wire_collectives(10, "fp8", 0)
-    assert cm.canonical_wire_format("fp8e4m3+ef") == "fp8"
+    assert traffic_of("fp8e4m3+ef") == "fp8"
     assert math.isfinite(cm.wire_format_time_us(fabric("h200-vm-1gpu"), 10, "fp8"))
 
 

@@ -409,14 +409,14 @@ def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffe
 def test_an_exchange_through_prepared_calls_takes_no_statistics():
     from ddp_triton.runtime.exchange import block_fp8_exchange, float32_sum_exchange
     from ddp_triton.runtime.prepared_calls import PreparedCalls
-    from ddp_triton.runtime.wire import resolve_wire_format
+    from ddp_triton.formats import WireFormat
 
     buffer, stats, prepared = torch.randn(300), torch.zeros(2), PreparedCalls()
     with pytest.raises(ValueError, match="no statistics"):
-        float32_sum_exchange(buffer, resolve_wire_format(torch.bfloat16, torch.float32, None), None, 2, 0.5, 1.0,
+        float32_sum_exchange(buffer, WireFormat.from_options(torch.bfloat16, torch.float32, None), None, 2, 0.5, 1.0,
                              stats, prepared=prepared)
     with pytest.raises(ValueError, match="no statistics"):
-        block_fp8_exchange(buffer, resolve_wire_format(torch.float8_e4m3fn, None, None),
+        block_fp8_exchange(buffer, WireFormat.from_options(torch.float8_e4m3fn, None, None),
                            ddp_triton.kernels.block_layout([300], 2), None, 2, 0.5, None, stats, prepared=prepared)
     assert prepared.prepared == 0
 

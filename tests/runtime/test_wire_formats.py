@@ -22,7 +22,7 @@ from ddp_helpers import torch_path_workers
 from dist_utils import run_workers
 from wire_reference import float32_sum_average, fp8_average
 from ddp_triton.runtime.algo_groups import scoped_env
-from ddp_triton.runtime.wire import resolve_wire_format
+from ddp_triton.formats import WireFormat
 
 BATCH = 12
 
@@ -283,17 +283,17 @@ def test_wire_format_kernels_end_to_end_under_interpreter():
 
 
 def test_wire_format_names_and_bad_combinations():
-    assert resolve_wire_format(torch.bfloat16).name == "bf16"
-    assert resolve_wire_format(torch.bfloat16, torch.float32).name == "bf16+fp32sum"
-    assert resolve_wire_format(torch.float32, torch.float32).name == "fp32"  # float32 already sums in float32
-    assert resolve_wire_format(torch.float8_e4m3fn).name == "fp8e4m3+ef"
-    assert resolve_wire_format(torch.float8_e5m2, error_feedback=False).name == "fp8e5m2"
+    assert WireFormat.from_options(torch.bfloat16).name == "bf16"
+    assert WireFormat.from_options(torch.bfloat16, torch.float32).name == "bf16+fp32sum"
+    assert WireFormat.from_options(torch.float32, torch.float32).name == "fp32"  # float32 already sums in float32
+    assert WireFormat.from_options(torch.float8_e4m3fn).name == "fp8e4m3+ef"
+    assert WireFormat.from_options(torch.float8_e5m2, error_feedback=False).name == "fp8e5m2"
     with pytest.raises(ValueError, match="error_feedback applies to FP8"):
-        resolve_wire_format(torch.bfloat16, error_feedback=True)
+        WireFormat.from_options(torch.bfloat16, error_feedback=True)
     with pytest.raises(ValueError, match="accumulate_dtype must be"):
-        resolve_wire_format(torch.bfloat16, torch.float64)
+        WireFormat.from_options(torch.bfloat16, torch.float64)
     with pytest.raises(ValueError, match="comm_dtype must be one of"):
-        resolve_wire_format(torch.int8)
+        WireFormat.from_options(torch.int8)
     with pytest.raises(ValueError, match="accumulate_dtype must be"):
         ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn, accumulate_dtype=torch.bfloat16)
 
@@ -385,8 +385,8 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
 
     n = 1_000_003  # one tensor, a prime number of elements: both kinds of padding happen
     bucket = torch.zeros(n)
-    fp8 = resolve_wire_format(torch.float8_e4m3fn)
-    bf16 = resolve_wire_format(torch.bfloat16, torch.float32)
+    fp8 = WireFormat.from_options(torch.float8_e4m3fn)
+    bf16 = WireFormat.from_options(torch.bfloat16, torch.float32)
     exchanges = {
         fp8.name: block_fp8_exchange(bucket, fp8, block_layout([n], world_size), None, world_size, 1.0, None, None),
         bf16.name: float32_sum_exchange(bucket, bf16, None, world_size, 1.0, 1.0, None),
@@ -424,7 +424,7 @@ def test_an_fp8_bucket_without_its_parameters_is_refused_before_anything_binds(h
 
     store = ResidualStore()
     with pytest.raises(ValueError, match="needs the bucket's parameters, got 0 covering 0 of 10 elements"):
-        bind_bucket(torch.zeros(10), None, wire=resolve_wire_format(torch.float8_e4m3fn, hierarchical=hierarchical),
+        bind_bucket(torch.zeros(10), None, wire=WireFormat.from_options(torch.float8_e4m3fn, hierarchical=hierarchical),
                     group=None, world_size=2, backend="gloo", pre_scale=0.5, post_scale=1.0, grad_stats=False,
                     group_for=None, residuals=store, queue=ExchangeQueue())
     assert not store.layouts

@@ -35,11 +35,9 @@ from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, LL_MAX_BUSBW_MULTI_NODE, LL_M
 from .nccl import _latency_us, _log2i  # noqa: F401 (NCCL's latency and log2i, which the tests check by hand)
 from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best,
                    estimate, nccl_choice, protocol_time_us, ring_windows, sweep)
-from .wire import (CPU_HOST_COST, FP8_BLOCK, FP8_BLOCK_BYTES, GPU_HOST_COST, TWO_LEVEL, WIRE_FORMAT_ALIASES,
-                   WIRE_FORMATS, FormatName, HostCost, all_gather_time_us, all_to_all_time_us, bucket_time_us,
-                   canonical_wire_format, collectives_of, example_format_names, host_time_us, parse_format,
-                   two_level_node_bytes, two_level_part, two_level_time_us, wire_bytes, wire_collectives,
-                   wire_format_time_us)
+from .wire import (CPU_HOST_COST, GPU_HOST_COST, HostCost, all_gather_time_us, all_to_all_time_us, bucket_time_us,
+                   collectives_of, host_time_us, two_level_node_bytes, two_level_part, two_level_time_us, wire_bytes,
+                   wire_collectives, wire_format_time_us)
 
 __all__ = [
     # vocabulary (fabric.py; dtypes and NCCL versions from the base modules)
@@ -58,11 +56,9 @@ __all__ = [
     "estimate", "nccl_choice", "protocol_time_us", "ring_windows", "sweep",
     # calibration (calibration.py, fit.py)
     "AlgorithmCalibration", "Calibration", "fit_algorithm", "fit_calibration",
-    # wire formats (wire.py)
-    "FP8_BLOCK", "FP8_BLOCK_BYTES", "WIRE_FORMATS", "WIRE_FORMAT_ALIASES", "all_gather_time_us",
-    "all_to_all_time_us", "canonical_wire_format", "wire_bytes", "wire_collectives", "wire_format_time_us",
+    # the wire of each format's traffic (wire.py; the formats themselves are ddp_triton.formats)
+    "all_gather_time_us", "all_to_all_time_us", "wire_bytes", "wire_collectives", "wire_format_time_us",
     "two_level_node_bytes", "two_level_part", "two_level_time_us",
-    # format names and a bucket's whole cost (wire.py)
-    "CPU_HOST_COST", "GPU_HOST_COST", "TWO_LEVEL", "FormatName", "HostCost", "bucket_time_us", "collectives_of",
-    "example_format_names", "host_time_us", "parse_format",
+    # a bucket's whole cost (wire.py)
+    "CPU_HOST_COST", "GPU_HOST_COST", "HostCost", "bucket_time_us", "collectives_of", "host_time_us",
 ]

@@ -13,9 +13,10 @@ A bucket of ``n`` float32 gradients at world size N can travel as
   values and a float32 scale (``FP8_BLOCK_BYTES`` = 132 bytes, 1.03125 bytes per element), the block count padded
   to a multiple of N.
 
-Time is the wire's only: the casts, the FP8 scaling and the float32 sums are kernels this does not model. The
-runtime's names (``ddp_triton.runtime.wire``) are accepted too: ``fp16+fp32sum`` travels as ``bf16+fp32sum`` does,
-``fp8e4m3`` and ``fp8e5m2`` as ``fp8``, and a ``+ef`` suffix (error feedback) sends nothing more.
+Time is the wire's only: the casts, the FP8 scaling and the float32 sums are kernels this does not model. These are
+``ddp_triton.formats.TRAFFIC``'s classes; every format's name is accepted too (``formats.traffic_of``):
+``fp16+fp32sum`` travels as ``bf16+fp32sum`` does, ``fp8e4m3`` and ``fp8e5m2`` as ``fp8``, and a ``+ef`` suffix
+(error feedback) sends nothing more.
 
 All-to-all is NCCL's grouped send/receive to every peer: a base latency, a per-peer cost for each of the N-1
 messages (an intra-node hop, or a network proxy post), one network hop where nodes are crossed; bandwidth: each GPU
@@ -35,43 +36,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Tuple
+from typing import List, Tuple, Union
 
+from ...formats import FP8_BLOCK, FP8_BLOCK_BYTES, WireFormat, traffic_of
 from .fabric import PROTOCOLS, Fabric, _SIMPLE
 from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, _latency_parts, _plateau, inter_gbps_nccl,
                    intra_gbps_nccl, nccl_protocol_time_us)
 from .ramp import NET_CHUNK_OVERHEAD_US, _factors, best, protocol_time_us
 
-#: The formats, in the order tables show them.
-WIRE_FORMATS: Tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32sum", "fp8")
-#: Elements per FP8 block and the bytes a block travels as: 128 one-byte values and a float32 scale.
-FP8_BLOCK = 128
-FP8_BLOCK_BYTES = FP8_BLOCK + 4
-#: The runtime's names of the same traffic (ddp_triton/runtime/wire.py).
-WIRE_FORMAT_ALIASES = {"fp16+fp32sum": "bf16+fp32sum", "fp8e4m3": "fp8", "fp8e5m2": "fp8"}
 _ALL_REDUCE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 _ALL_REDUCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16+fp32sum": "bfloat16"}
 
 
 def _one_all_reduce(wire_format: str, world_size: int) -> bool:
-    """Whether ``wire_format`` (a ``WIRE_FORMATS`` name) travels as one all-reduce at ``world_size``: the 32- and
-    16-bit all-reduce formats always; 16 bits with float32 sums over two ranks (``runtime.wire``'s
-    ``WireFormat.one_all_reduce``: the same bits)."""
+    """Whether ``wire_format`` (a ``TRAFFIC`` class) travels as one all-reduce at ``world_size``: the 32- and
+    16-bit all-reduce formats always; 16 bits with float32 sums over two ranks (``WireFormat.one_all_reduce``: the
+    same bits)."""
     return wire_format in _ALL_REDUCE_ITEMSIZE or (wire_format == "bf16+fp32sum" and world_size == 2)
 
 
-def canonical_wire_format(wire_format: str) -> str:
-    """The name of ``WIRE_FORMATS`` that travels as ``wire_format`` does (runtime names and ``+ef`` accepted)."""
-    name = wire_format[:-3] if isinstance(wire_format, str) and wire_format.endswith("+ef") else wire_format
-    name = WIRE_FORMAT_ALIASES.get(name, name)
-    if name not in WIRE_FORMATS:
-        known = ", ".join([*WIRE_FORMATS, *WIRE_FORMAT_ALIASES])
-        raise ValueError(f"unknown wire format {wire_format!r}; known: {known} (fp8 formats may end in +ef)")
-    return name
-
-
 def _check(n_elements: int, wire_format: str, world_size: int) -> str:
-    wire_format = canonical_wire_format(wire_format)
+    wire_format = traffic_of(wire_format)
     if isinstance(n_elements, bool) or not isinstance(n_elements, int) or n_elements < 1:
         raise ValueError(f"n_elements must be an int >= 1, got {n_elements!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -141,7 +126,7 @@ def wire_format_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> fl
     total = 0.0
     for kind, msg in wire_collectives(n_elements, wire_format, fabric.world_size):
         if kind == "all_reduce":
-            total += best(fabric, msg, _ALL_REDUCE_DTYPE[canonical_wire_format(wire_format)]).time_us
+            total += best(fabric, msg, _ALL_REDUCE_DTYPE[traffic_of(wire_format)]).time_us
         elif kind == "all_to_all":
             total += all_to_all_time_us(fabric, msg)
         else:
@@ -177,67 +162,8 @@ def two_level_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> floa
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The runtime's format names, and what a bucket costs in each: the wire plus the host
+# What a bucket costs in each format (``ddp_triton.formats.WireFormat``): the wire plus the host
 # --------------------------------------------------------------------------------------------------------------------
-
-#: What each 16-bit or 32-bit short name travels as in an all-reduce, and the FP8 formats' names.
-_ALL_REDUCE_NAMES = tuple(_ALL_REDUCE_ITEMSIZE)
-_FP8_NAMES = ("fp8e4m3", "fp8e5m2")
-#: The prefix of the two-level forms in a format's name (``two-level fp8e4m3+ef``); ``two-level-`` is read too.
-TWO_LEVEL = "two-level "
-
-
-@dataclass(frozen=True)
-class FormatName:
-    """A wire format as the runtime names it (``bf16``, ``bf16+fp32sum``, ``fp8e4m3+ef``, ``two-level fp8e4m3+ef``):
-    the dtype on the wire, whether the sum is float32 (all-to-all and all-gather), error feedback, two-level."""
-
-    wire: str
-    """``fp32``, ``bf16``, ``fp16``, ``fp8e4m3`` or ``fp8e5m2``."""
-    fp32_sum: bool = False
-    error_feedback: bool = False
-    two_level: bool = False
-
-    @property
-    def name(self) -> str:
-        name = self.wire + ("+fp32sum" if self.fp32_sum and self.wire in ("bf16", "fp16") else "")
-        name += "+ef" if self.error_feedback else ""
-        return TWO_LEVEL + name if self.two_level else name
-
-    @property
-    def traffic(self) -> str:
-        """The name of ``WIRE_FORMATS`` that travels as this format does (what the pricing functions take)."""
-        return canonical_wire_format(self.name[len(TWO_LEVEL):] if self.two_level else self.name)
-
-
-def parse_format(name: str) -> FormatName:
-    """The FormatName of a runtime format name; ValueError naming what is wrong. FP8 sums are always float32 and
-    16-bit formats have no error feedback (``runtime.wire.resolve_wire_format``'s rules)."""
-    if not isinstance(name, str):
-        raise ValueError(f"a wire format name is a string, got {type(name).__name__}")
-    text = name.strip()
-    two_level = text.startswith((TWO_LEVEL, "two-level-"))
-    rest = text[len(TWO_LEVEL):] if two_level else text
-    parts = rest.split("+")
-    wire, extras = parts[0], parts[1:]
-    known = ", ".join(example_format_names())
-    if wire not in _ALL_REDUCE_NAMES + _FP8_NAMES or len(set(extras)) != len(extras) \
-            or not set(extras) <= {"fp32sum", "ef"}:
-        raise ValueError(f"unknown wire format {name!r}; known: {known}")
-    if "ef" in extras and wire not in _FP8_NAMES:
-        raise ValueError(f"wire format {name!r}: error feedback (+ef) is for the FP8 formats only")
-    if "fp32sum" in extras and wire not in ("bf16", "fp16"):
-        raise ValueError(f"wire format {name!r}: +fp32sum is for bf16 and fp16 (fp32 sums in float32 already, "
-                         "FP8 always does)")
-    return FormatName(wire, fp32_sum="fp32sum" in extras or wire in _FP8_NAMES, error_feedback="ef" in extras,
-                      two_level=two_level)
-
-
-def example_format_names() -> Tuple[str, ...]:
-    """Every flat format name (each also comes two-level, ``two-level <name>``)."""
-    return ("fp32", "bf16", "fp16", "bf16+fp32sum", "fp16+fp32sum", "fp8e4m3+ef", "fp8e5m2+ef", "fp8e4m3",
-            "fp8e5m2")
-
 
 @dataclass(frozen=True)
 class HostCost:
@@ -249,7 +175,7 @@ class HostCost:
     bucket_us: float
     collective_us: float
     ns_per_element: Tuple[Tuple[str, float], ...]
-    """(``WIRE_FORMATS`` name, ns per bucket element of its passes on the whole bucket); two-level formats run them on
+    """(``TRAFFIC`` class, ns per bucket element of its passes on the whole bucket); two-level formats run them on
     1/ppn of the bucket plus ``two_level_ns_per_element``."""
     two_level_ns_per_element: float = 0.0
     source: str = ""
@@ -280,7 +206,7 @@ GPU_HOST_COST = HostCost(
            "collective's cost as measured on CPU (not on a GPU)")
 
 
-def collectives_of(fmt: FormatName, fabric: Fabric) -> int:
+def collectives_of(fmt: WireFormat, fabric: Fabric) -> int:
     """How many collectives a bucket in ``fmt`` issues on ``fabric`` (two-level falls back to flat on one node or
     with one rank per node, as the runtime does)."""
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
@@ -289,7 +215,7 @@ def collectives_of(fmt: FormatName, fabric: Fabric) -> int:
     return 1 if _one_all_reduce(fmt.traffic, fabric.world_size) else 2
 
 
-def host_time_us(fabric: Fabric, n_elements: int, fmt: FormatName, host: HostCost) -> float:
+def host_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost) -> float:
     """The host and pass time of one bucket of ``n_elements`` float32 gradients in ``fmt``."""
     two_level = fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1
     exchanged_by = fabric.nodes if two_level else fabric.world_size
@@ -301,9 +227,9 @@ def host_time_us(fabric: Fabric, n_elements: int, fmt: FormatName, host: HostCos
     return host.bucket_us + (collectives_of(fmt, fabric) - 1) * host.collective_us + passes * n_elements * 1e-3
 
 
-def bucket_time_us(fabric: Fabric, n_elements: int, fmt: "FormatName | str", host: HostCost) -> float:
-    """Predicted time of one bucket of ``n_elements`` float32 gradients in ``fmt`` (a FormatName or its name): the
+def bucket_time_us(fabric: Fabric, n_elements: int, fmt: Union[WireFormat, str], host: HostCost) -> float:
+    """Predicted time of one bucket of ``n_elements`` float32 gradients in ``fmt`` (a WireFormat or its name): the
     wire (``wire_format_time_us``, or ``two_level_time_us``) plus ``host_time_us``."""
-    fmt = parse_format(fmt) if isinstance(fmt, str) else fmt
+    fmt = WireFormat.parse(fmt) if isinstance(fmt, str) else fmt
     wire = (two_level_time_us if fmt.two_level else wire_format_time_us)(fabric, n_elements, fmt.traffic)
     return wire + host_time_us(fabric, n_elements, fmt, host)

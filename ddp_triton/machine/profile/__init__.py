@@ -4,7 +4,8 @@
 - `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
 - `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
 - `formats`: the wire format per bucket size among those allowed, and the substitutions (plain bf16, flat two-level).
-- `format_rule`: the rule that picks a format from timings (medians, confidence intervals, the accuracy order).
+- `format_rule`: the rule that picks a format from timings (medians, confidence intervals; the accuracy order is
+  ``ddp_triton.formats``').
 """
 
 from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB,
@@ -14,7 +15,7 @@ from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BU
 from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
                     profile_fingerprint, save_to_cache)
 from .format_rule import (CONFIDENCE, SWITCH_TOLERANCE, FormatDecision, TimingStats, choose_format, decide_format,
-                          median_interval, preference_key, significantly_faster, sorted_by_preference)
+                          median_interval, significantly_faster)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
                       format_choice, model_format_choice, model_format_rows, ring_error, runs_flat)
 from .schema import (AUTO_FORMAT, BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, FormatChoice, FormatRange,
@@ -30,10 +31,8 @@ __all__ = [
     "choose_format",
     "decide_format",
     "median_interval",
-    "preference_key",
     "runs_flat",
     "significantly_faster",
-    "sorted_by_preference",
     "DEFAULT_BUCKET_SIZES",
     "DEFAULT_FORMATS",
     "ERROR_RATIO_LIMIT",

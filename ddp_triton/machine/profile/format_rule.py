@@ -4,11 +4,11 @@ faster beyond the noise of the measurement.
 A format's timings become its median and a distribution-free confidence interval on that median (``median_interval``:
 order statistics, ``CONFIDENCE`` or, from too few samples, the widest they give). ``decide_format`` is the rule, one
 function of those intervals, deterministic: the baseline is the format kept from before (the neighbouring bucket
-size's choice, or a running tuner's current format), else the first of ``preference_key``'s order; it stands unless
-the fastest format beats it *significantly*: both its interval lies wholly below the baseline's and its median is
-more than ``tolerance`` below. Then the choice is the first in preference order of the formats that beat the
-baseline significantly and that the fastest does not beat significantly. Timings without spread (the cost model's)
-are points: the rule then reduces to "switch when more than ``tolerance`` faster".
+size's choice, or a running tuner's current format), else the first in accuracy order (``formats.preference_key``);
+it stands unless the fastest format beats it *significantly*: both its interval lies wholly below the baseline's and
+its median is more than ``tolerance`` below. Then the choice is the first in preference order of the formats that
+beat the baseline significantly and that the fastest does not beat significantly. Timings without spread (the cost
+model's) are points: the rule then reduces to "switch when more than ``tolerance`` faster".
 
 Pure: no processes, no clocks, no torch; ``choose_format`` takes raw samples, the profile's rows keep the intervals.
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence
 
-from ..cost_model import parse_format
+from ...formats import sorted_by_preference
 
 #: Coverage of a median's interval. Below six samples no pair of order statistics reaches it: min..max then
 #: (93.75% at five samples).
@@ -28,30 +28,6 @@ CONFIDENCE = 0.95
 #: A format displaces the baseline only when its median is also more than this fraction below the baseline's:
 #: intervals from many quiet samples can be narrower than any difference worth a less accurate format.
 SWITCH_TOLERANCE = 0.03
-
-_SIXTEEN_BITS = ("bf16", "fp16")
-_FP8 = ("fp8e4m3", "fp8e5m2")
-
-
-def preference_key(name: str) -> Tuple[int, int, int, int]:
-    """Sort key of a format name, most accurate and simplest first; the one place this order is written.
-
-    fp32, then the 16-bit formats by dtype (bf16 before fp16, which overflows where bf16 does not: bench.numerics),
-    each with float32 sums before without; then FP8 with error feedback before without (what it owes comes back next
-    step), each e4m3 before e5m2 (one more mantissa bit); every format flat before ``two-level`` (one hop, one
-    group)::
-
-        fp32 < bf16+fp32sum < bf16 < fp16+fp32sum < fp16 < fp8e4m3+ef < fp8e5m2+ef < fp8e4m3 < fp8e5m2
-    """
-    fmt = parse_format(name)
-    if fmt.wire == "fp32":
-        key = (0, 0, 0)
-    elif fmt.wire in _SIXTEEN_BITS:
-        key = (1, _SIXTEEN_BITS.index(fmt.wire), 0 if fmt.fp32_sum else 1)
-    else:
-        key = (2, 0 if fmt.error_feedback else 1, _FP8.index(fmt.wire))
-    return key + (int(fmt.two_level),)
-
 
 @dataclass(frozen=True)
 class TimingStats:
@@ -143,7 +119,7 @@ def decide_format(stats: Mapping[str, TimingStats], incumbent: Optional[str] = N
     """The format to use from each format's ``TimingStats`` (see the module docstring for the rule).
 
     ``incumbent``: the format kept from before (a neighbouring size's choice, a running tuner's); ignored when it has
-    no timings here. Deterministic: ties fall to ``preference_key``'s order, never to dict order.
+    no timings here. Deterministic: ties fall to the accuracy order (``formats.preference_key``), never to dict order.
     """
     if not stats:
         raise ValueError("no format timings to choose from")
@@ -152,7 +128,7 @@ def decide_format(stats: Mapping[str, TimingStats], incumbent: Optional[str] = N
     for name, s in stats.items():
         if not isinstance(s, TimingStats):
             raise ValueError(f"timings of {name!r} must be TimingStats, got {type(s).__name__}")
-    order = sorted(stats, key=lambda f: (preference_key(f), f))
+    order = sorted_by_preference(list(stats))
     fastest = min(order, key=lambda f: stats[f].median_us)  # min keeps the first of equals: the preferred one
     kept = incumbent is not None and incumbent in stats
     base = incumbent if kept else order[0]
@@ -184,7 +160,3 @@ def choose_format(samples: Mapping[str, Sequence[float]], incumbent: Optional[st
             raise ValueError(f"format {name!r}: {e}") from None
     return decide_format(stats, incumbent, tolerance)
 
-
-def sorted_by_preference(names: Sequence[str]) -> List[str]:
-    """``names`` in ``preference_key``'s order (most accurate and simplest first)."""
-    return sorted(names, key=lambda f: (preference_key(f), f))

@@ -19,6 +19,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ...formats import WireFormat, canonical_name
 from .. import cost_model as cm
 from .format_rule import SWITCH_TOLERANCE, FormatDecision, decide_format
 from .schema import FormatChoice, FormatRange, FormatRow, format_bytes
@@ -83,7 +84,7 @@ def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tup
         raise ValueError("no wire formats allowed: name at least one")
     names: List[str] = []
     for name in allowed:
-        canonical = cm.parse_format(name).name
+        canonical = canonical_name(name)
         if canonical not in names:
             names.append(canonical)
     flat = runs_flat(world_size, nodes)
@@ -91,17 +92,17 @@ def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tup
     reasons: Dict[str, List[str]] = {}
     out: List[str] = []
     for name in names:
-        fmt = cm.parse_format(name)
+        fmt = WireFormat.parse(name)
         why: List[str] = []
         if fmt.two_level and flat:
-            fmt = cm.FormatName(fmt.wire, fmt.fp32_sum, fmt.error_feedback, two_level=False)
+            fmt = fmt.flat()
             why.append(f"in place of {name}: on {shape} a two-level exchange runs flat, as {fmt.name}")
             name = fmt.name
         if fmt.wire == "bf16" and not fmt.fp32_sum:
             ranks = nodes if fmt.two_level else world_size
             plain, summed = ring_error(ranks, False), ring_error(ranks, True)
             if plain > ERROR_RATIO_LIMIT * summed:
-                replacement = cm.FormatName("bf16", fp32_sum=True, two_level=fmt.two_level).name
+                replacement = WireFormat("bf16", fp32_sum=True, two_level=fmt.two_level).name
                 why.append(f"in place of {name}: a bf16 ring over {ranks} ranks is modelled at {plain:.2%} relative "
                            f"error against {summed:.2%} with float32 sums (more than {ERROR_RATIO_LIMIT:g}x; the "
                            "same bytes on the wire)")
@@ -166,7 +167,7 @@ def format_choice(source: str, allowed: Sequence[str], rows: Sequence[FormatRow]
                   host: str) -> FormatChoice:
     """The profile's ``formats``: the ranges chosen from ``rows`` (timed or modelled in the admitted formats)."""
     admitted = list(dict.fromkeys(r.format for r in rows))  # in the rows' order
-    return FormatChoice(source=source, allowed=[cm.parse_format(f).name for f in allowed], admitted=admitted,
+    return FormatChoice(source=source, allowed=[canonical_name(f) for f in allowed], admitted=admitted,
                         table=choose_formats(rows, replaced=replaced), rows=list(rows), host=host,
                         notes=[f"{name} {why}" for name, why in replaced.items()])
 

@@ -62,8 +62,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...dtypes import normalize_dtype
+from ...formats import canonical_name
 from ...safe_write import OutputError, atomic_write_text
-from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration, parse_format
+from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration
 from .format_rule import TimingStats
 
 SCHEMA_VERSION = 3
@@ -220,7 +221,7 @@ class TableEntry:
 
 def _format_name(name: Any, where: str) -> str:
     try:
-        return parse_format(name).name
+        return canonical_name(name)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
