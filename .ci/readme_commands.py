@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -50,8 +51,10 @@ def main(argv=None) -> int:
     except LookupError as e:
         print(f"readme_commands: {e}", file=sys.stderr)
         return 2
-    print("set -euxo pipefail")
-    print("\n".join(lines))
+    print("set -euo pipefail")
+    for line in lines:  # each command shown as it runs (set -x would trace the venv's activate script too)
+        print(f"echo {shlex.quote('+ ' + line)}")
+        print(line)
     return 0
 
 
