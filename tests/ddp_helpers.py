@@ -6,6 +6,8 @@ from a seed), the data BATCH rows of normal inputs and targets per step (from a 
 trains on rows [r * BATCH/N, (r + 1) * BATCH/N), so N ranks together see the batch one process sees.
 """
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -27,10 +29,13 @@ def torch_path_workers(fn, world_size, *args, timeout=120):
         run_workers(fn, world_size, *args, timeout=timeout)
 
 
-def make_model(seed=0, dtype=torch.float32):
+def make_model(seed=0, dtype=torch.float32, widths=(IN, HIDDEN, HIDDEN, OUT)):
+    """Linear layers of ``widths`` with Tanh between them, weights from ``seed``."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, OUT)).to(dtype)
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).to(dtype)
 
 
 def make_data(step, dtype=torch.float32):
@@ -46,6 +51,16 @@ def local_slice(tensor, rank, world_size):
 def local_backward(model, x, y, rank, world_size):
     """Backward of the loss on this rank's slice of the batch."""
     nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+
+
+def local_grads(model, batches, rank, world_size):
+    """This rank's gradients of ``batches`` ((x, y) pairs, accumulated as under no_sync) on a copy of ``model``,
+    without DDP; zeros where a parameter took none."""
+    copy_ = copy.deepcopy(model)
+    copy_.zero_grad(set_to_none=True)
+    for x, y in batches:
+        local_backward(copy_, x, y, rank, world_size)
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in copy_.parameters()]
 
 
 def step(ddp, rank, world_size, data_step, set_to_none=True):

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_triton
+from ddp_helpers import make_model
 from dist_utils import run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
 
@@ -29,11 +30,6 @@ pytestmark = pytest.mark.skipif(accelerate is None, reason="Accelerate is not in
 WORLD = 2
 SAMPLES, BATCH = 64, 4  # 8 batches per process: 4 optimizer steps at 2 accumulation steps
 ACCUMULATE, CLIP = 2, 0.5
-
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
 def make_loader():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import Branchy, local_backward, local_slice, make_data, make_model, torch_path_workers
+from ddp_helpers import Branchy, local_backward, local_grads, local_slice, make_data, make_model, torch_path_workers
 
 BF16 = torch.bfloat16
 
@@ -55,16 +55,6 @@ def assert_one_of(got, candidates, what):
     matches = (allowed == bits[None]).any(dim=0)
     assert bool(matches.all()), (f"{what}: {int((~matches).sum())} of {got.numel()} elements are none of the "
                                  f"format's results, e.g. {got.flatten()[~matches.flatten()][:3].tolist()}")
-
-
-def local_grads(model, batches, rank, world_size):
-    """This rank's gradients of ``batches`` (accumulated, as under no_sync) on a copy of ``model``; zeros where a
-    parameter took none."""
-    copy_ = copy.deepcopy(model)
-    copy_.zero_grad(set_to_none=True)
-    for x, y in batches:
-        local_backward(copy_, x, y, rank, world_size)
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in copy_.parameters()]
 
 
 def check_step(ddp, module, batches_of_rank, world_size, what, skip=()):

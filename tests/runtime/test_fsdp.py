@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ddp_triton.fsdp
-from ddp_helpers import torch_path_workers
+import ddp_helpers
+from ddp_helpers import local_backward, torch_path_workers
 from wire_reference import _left_over, fp8_average, quantize_dequantize
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
@@ -26,8 +27,8 @@ BATCH = 12
 
 
 def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 5), nn.Tanh(), nn.Linear(5, 4))
+    """Rows of 33 and 5, not multiples of N: FSDP pads them on dim 0."""
+    return ddp_helpers.make_model(widths=(8, 33, 5, 4))
 
 
 def shard(model, world_size):
@@ -46,18 +47,9 @@ def data(step):
     return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
 
 
-def backward(model, x, y, rank, world_size):
-    per = BATCH // world_size
-    nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
-
-
-def local_grads(plain, x, y, world_size):
-    out = []
-    for r in range(world_size):
-        model = copy.deepcopy(plain)
-        backward(model, x, y, r, world_size)
-        out.append([p.grad.clone() for p in model.parameters()])
-    return out
+def per_rank_grads(plain, x, y, world_size):
+    """Every rank's local gradients, in rank order."""
+    return [ddp_helpers.local_grads(plain, [(x, y)], r, world_size) for r in range(world_size)]
 
 
 def expected_shard(grads, rank, world_size, divide_by=None):
@@ -88,9 +80,9 @@ def _bits_worker(rank, world_size, divide_by=None):
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
     for step in range(3):
         x, y = data(step)
-        per_rank = local_grads(plain, x, y, world_size)
+        per_rank = per_rank_grads(plain, x, y, world_size)
         opt.zero_grad()
-        backward(model, x, y, rank, world_size)
+        local_backward(model, x, y, rank, world_size)
         for i, p in enumerate(model.parameters()):
             got = p.grad.to_local()
             want = expected_shard([g[i] for g in per_rank], rank, world_size, divide_by)
@@ -130,8 +122,8 @@ def _other_formats_worker(rank, world_size):
                     module.set_force_sum_reduction_for_comms(True)
         ddp_triton.fsdp.register(model, **options)
         x, y = data(0)
-        per_rank = local_grads(plain, x, y, world_size)
-        backward(model, x, y, rank, world_size)
+        per_rank = per_rank_grads(plain, x, y, world_size)
+        local_backward(model, x, y, rank, world_size)
         for i, p in enumerate(model.parameters()):
             a, b = ((g[i] * pre).to(sent) for g in per_rank)
             total = a.float() + b.float() if fp32_sum else (a.float() + b.float()).to(sent).float()
@@ -155,7 +147,7 @@ def _float32_worker(rank, world_size):
         x, y = data(step)
         for model, opt in zip((ours, theirs), opts):
             opt.zero_grad()
-            backward(model, x, y, rank, world_size)
+            local_backward(model, x, y, rank, world_size)
             opt.step()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.equal(p.to_local().view(torch.int32), q.to_local().view(torch.int32)), name
@@ -207,11 +199,11 @@ def _hsdp_backward(rank, world_size, replicas):
                                      replicate_group=mesh.get_group("replicate"))
     assert state.replica_wire.name == "bf16+fp32sum"
     x, y = data(0)
-    per_rank = local_grads(plain, x, y, world_size)
+    per_rank = per_rank_grads(plain, x, y, world_size)
     real_all_to_all, all_to_alls = dist.all_to_all_single, []
     dist.all_to_all_single = lambda *a, **k: all_to_alls.append(1) or real_all_to_all(*a, **k)
     try:
-        backward(model, x, y, rank, world_size)
+        local_backward(model, x, y, rank, world_size)
     finally:
         dist.all_to_all_single = real_all_to_all
     assert sorted(h.calls for h in state.replica_hooks) == [0, 1, 1, 1]  # the root holds no parameters of its own
@@ -272,7 +264,7 @@ def resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, 
         for step in steps:
             x, y = data(step)
             opt.zero_grad()
-            backward(model, x, y, rank, world_size)
+            local_backward(model, x, y, rank, world_size)
             opt.step()
 
     train(model, opt)
@@ -331,9 +323,9 @@ def _fp8_worker(rank, world_size, tmp):
               for _ in range(world_size)]
     for step in range(3):  # bits against the definition, the residuals carried from step to step
         x, y = data(step)
-        per_rank = local_grads(plain, x, y, world_size)
+        per_rank = per_rank_grads(plain, x, y, world_size)
         opt.zero_grad()
-        backward(model, x, y, rank, world_size)
+        local_backward(model, x, y, rank, world_size)
         expected = _fp8_expected(per_rank, firsts, world_size, fmt)
         for i, p in enumerate(model.parameters()):
             want = expected[rank][i]
@@ -483,9 +475,9 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
     second = {j: [torch.zeros_like(first[j][0][i]) for i in range(len(shapes))] for j in range(2)}
     for step in range(3):
         x, y = data(step)
-        per_rank = local_grads(plain, x, y, world_size)
+        per_rank = per_rank_grads(plain, x, y, world_size)
         opt.zero_grad()
-        backward(model, x, y, rank, world_size)
+        local_backward(model, x, y, rank, world_size)
         averaged = {}
         for j in range(2):  # each shard's replica exchange
             values = [[chunk((per_rank[2 * k][i] + per_rank[2 * k + 1][i]) / 2, i, j) for i in range(len(shapes))]

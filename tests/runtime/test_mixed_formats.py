@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import torch_path_workers
+from ddp_helpers import local_backward, local_grads, torch_path_workers
 from wire_reference import float32_sum_average, fp8_average
 from test_default_path_bits import assert_one_of, bf16_all_reduce_candidates
 from ddp_triton.machine.profile import FormatChoice, FormatRange, Profile, TableEntry
@@ -71,18 +71,6 @@ def recording(model):
         return ddp_triton.triton_hook(state, bucket)
 
     return recording_hook, buckets
-
-
-def local_backward(model, x, y, rank, world_size):
-    per = BATCH // world_size
-    nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
-
-
-def local_grads(model, x, y, rank, world_size):
-    model = copy.deepcopy(model)
-    model.zero_grad()
-    local_backward(model, x, y, rank, world_size)
-    return [p.grad.clone() for p in model.parameters()]
 
 
 class Reference:
@@ -141,7 +129,7 @@ def _mixed_worker(rank, world_size):
         ddp.register_comm_hook(state, recording_hook)
         for _ in range(3):
             x, y = data(step)
-            per_rank = [local_grads(model, x, y, r, world_size) for r in range(world_size)]
+            per_rank = [local_grads(model, [(x, y)], r, world_size) for r in range(world_size)]
             buckets.clear()
             opt.zero_grad()
             local_backward(ddp, x, y, rank, world_size)
@@ -301,7 +289,7 @@ def _two_level_mixed_worker(rank, world_size):
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
     for step in range(3):
         x, y = data(step)
-        per_rank = [local_grads(plain, x, y, r, world_size) for r in range(world_size)]
+        per_rank = [local_grads(plain, [(x, y)], r, world_size) for r in range(world_size)]
         buckets.clear()
         opt.zero_grad()
         local_backward(ddp, x, y, rank, world_size)

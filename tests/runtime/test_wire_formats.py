@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from bits import assert_same_bits, bits
-from ddp_helpers import torch_path_workers
+from ddp_helpers import local_backward, local_grads, torch_path_workers
 from dist_utils import run_workers
 from wire_reference import float32_sum_average, fp8_average
 from ddp_triton.runtime.algo_groups import scoped_env
@@ -47,20 +47,6 @@ def data(step):
     return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
 
 
-def local_grads(model, x, y, rank, world_size, accumulate=1):
-    """This rank's gradient (of ``accumulate`` backward passes on its slice) on ``model``, without DDP."""
-    model.zero_grad()
-    per = BATCH // world_size
-    for _ in range(accumulate):
-        nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-
-
-def ddp_backward(ddp, x, y, rank, world_size):
-    per = BATCH // world_size
-    nn.functional.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
-
-
 class Reference:
     """The same training on one process: every rank's gradients averaged with the reference numerics."""
 
@@ -74,7 +60,7 @@ class Reference:
         self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
 
     def step(self, x, y, accumulate=1):
-        per_rank = [local_grads(self.model, x, y, r, self.world_size, accumulate) for r in range(self.world_size)]
+        per_rank = [local_grads(self.model, [(x, y)] * accumulate, r, self.world_size) for r in range(self.world_size)]
         if self.fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
             averaged = fp8_average(per_rank, self.fmt, self.first if self.feedback else None,
                                    self.second if self.feedback else None)
@@ -110,8 +96,8 @@ def train_like_reference(model, options, rank, world_size, steps, accumulate=1, 
         opt.zero_grad()
         with ddp.no_sync():
             for _ in range(accumulate - 1):
-                ddp_backward(ddp, x, y, rank, world_size)
-        ddp_backward(ddp, x, y, rank, world_size)
+                local_backward(ddp, x, y, rank, world_size)
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
         reference.step(x, y, accumulate)
         assert_same_params(ddp.module, reference.model, step)
@@ -170,7 +156,7 @@ def resume_matches_unbroken(rank, world_size, tmp, options, bucket_cap_mb=25, in
         for step in steps:
             x, y = data(step)
             opt.zero_grad()
-            ddp_backward(ddp, x, y, rank, world_size)
+            local_backward(ddp, x, y, rank, world_size)
             opt.step()
 
     model, ddp, state, opt = fresh()
@@ -244,7 +230,7 @@ def _join_and_subgroup_of(rank, world_size, options):
         for step in range(2 + rank):
             x, y = data(step)
             opt.zero_grad()
-            ddp_backward(ddp, x, y, rank, world_size)
+            local_backward(ddp, x, y, rank, world_size)
             opt.step()
     flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
