@@ -8,7 +8,7 @@ The data and their sources are bench/published/nccl_tests_allreduce.json (how ea
 bench/published/nccl_allreduce_published.md). For each run the model predicts what NCCL does there: the algorithm
 forced with NCCL_ALGO, else the (algorithm, protocol) NCCL's own estimate picks, timed by the model
 (``cost_model.nccl_choice``); where one process drove all GPUs (nccl-tests -g N) no collective is faster than the
-run's smallest published time (its launch floor). The ratio is measured / model. tests/machine/
+run's smallest published time (its launch floor). The ratio is measured / model. tests/unit/machine/
 test_cost_model_validation.py holds the same numbers to their tolerances. ``--calibrated`` fits the model to the
 run's own sweep above its floor (``cost_model.fit_calibration``): in-sample, it shows what a one-node calibration
 leaves.

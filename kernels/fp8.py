@@ -8,9 +8,9 @@ and every path (GPU, Triton's interpreter, the torch path) gives the same bits: 
 float32 numbers (a finite float32 block never needs more than 2^120).
 
 Encoding rounds to nearest, ties to even, with integer arithmetic (Triton's interpreter does not round float8
-conversions the GPU's way); ``tests/kernels/test_fp8.py`` checks it against ``tensor.to(torch.float8_*)``. A block
-with a non-finite value is sent as all NaN (code 0x7F, torch's NaN for both formats) with scale 1, so an overflow
-reaches every rank's gradients and an overflow check sees it.
+conversions the GPU's way); ``tests/unit/kernels/test_wire_kernels.py`` checks it against
+``tensor.to(torch.float8_*)``. A block with a non-finite value is sent as all NaN (code 0x7F, torch's NaN for both
+formats) with scale 1, so an overflow reaches every rank's gradients and an overflow check sees it.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.

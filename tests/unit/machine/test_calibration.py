@@ -19,7 +19,7 @@ from ddp_triton.machine import cost_model as cm
 from ddp_triton.machine.topology import apply_launch_env, load_topology
 
 SIZES = cm.default_sizes(1 << 10, 1 << 30)
-DATA = Path(__file__).resolve().parents[2] / "bench" / "published" / "nccl_tests_allreduce.json"
+DATA = Path(__file__).resolve().parents[3] / "bench" / "published" / "nccl_tests_allreduce.json"
 
 
 def fabric(preset: str, nodes: int = 1, inter: float = None) -> cm.Fabric:

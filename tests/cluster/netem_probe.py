@@ -1,12 +1,12 @@
-"""A rank program for tests/test_netem.py, started by ``python -m bench.cluster`` on every rank.
+"""A rank program for tests/cluster/test_netem.py, started by ``python -m bench.cluster`` on every rank.
 
-    python tests/netem_probe.py env                                    # no torch: the launch variables
-    python tests/netem_probe.py allreduce --numel 2097152 --dtypes float32,bfloat16 --iters 3
-    python tests/netem_probe.py pingpong --iters 20                    # rank 0 <-> the last rank, 4 bytes
-    python tests/netem_probe.py send --bytes 4194304 --ready-file F    # no torch: rank 0 -> the last rank, TCP
-    python tests/netem_probe.py fail --code 3                          # exit 3 (rank 1), others sleep
-    python tests/netem_probe.py sleep --seconds 60                     # prints its pid, then sleeps
-    python tests/netem_probe.py two-level                              # hierarchical=True vs its reference
+    python tests/cluster/netem_probe.py env                                    # no torch: the launch variables
+    python tests/cluster/netem_probe.py allreduce --numel 2097152 --dtypes float32,bfloat16 --iters 3
+    python tests/cluster/netem_probe.py pingpong --iters 20                    # rank 0 <-> the last rank, 4 bytes
+    python tests/cluster/netem_probe.py send --bytes 4194304 --ready-file F    # no torch: rank 0 -> the last rank, TCP
+    python tests/cluster/netem_probe.py fail --code 3                          # exit 3 (rank 1), others sleep
+    python tests/cluster/netem_probe.py sleep --seconds 60                     # prints its pid, then sleeps
+    python tests/cluster/netem_probe.py two-level                              # hierarchical=True vs its reference
 
 Each rank prints one line ``PROBE {json}``; the test reads them from bench.cluster's output. Times are wall-clock
 seconds per collective, measured after a barrier so that the ranks start it together.
@@ -121,11 +121,11 @@ def send(args) -> None:
 
 def two_level() -> None:
     """Train under DDP with hierarchical=True, nodes as torchrun gives them, every step against the reference of
-    tests/runtime/test_two_level.py (which raises on the first difference); report the state's node groups."""
+    tests/dist/runtime/test_two_level.py (which raises on the first difference); report the state's node groups."""
     import torch
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.join(here, "runtime")]
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [tests, os.path.join(tests, "dist", "runtime")]
     from test_two_level import check_against_reference
 
     dist = init()

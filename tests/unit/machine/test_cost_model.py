@@ -419,7 +419,7 @@ def test_ampere_ring_ll_sizes_match_the_published_a100_sweep():
     import json
     from pathlib import Path
 
-    data = json.loads((Path(__file__).resolve().parents[2] / "bench" / "published" /
+    data = json.loads((Path(__file__).resolve().parents[3] / "bench" / "published" /
                        "nccl_tests_allreduce.json").read_text())
     (a100,) = [s for s in data["systems"] if s["id"] == "1a"]
     fabric = cm.Fabric(**a100["fabric"])

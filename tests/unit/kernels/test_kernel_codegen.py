@@ -25,7 +25,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # 32 registers per thread is what full occupancy allows on sm_90 (64K registers for 2048 threads per SM). Variants
 # above it, with the most each Triton version compiled them to (python -m bench.codegen; "default": 3.6 and 3.9)

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_helpers import torch_path_workers
-from test_wire_formats import (Wide, assert_same_params, data, ddp_backward, local_grads,
-                               resume_matches_unbroken)
+from ddp_helpers import local_backward, local_grads, torch_path_workers
+from test_wire_formats import Wide, assert_same_params, data, resume_matches_unbroken
 from wire_reference import MAX_FINITE, two_level_average
 
 LOCAL = 2  # ranks per node
@@ -41,7 +40,7 @@ class TwoLevelReference:
         self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9)
 
     def step(self, x, y, buckets):
-        per_rank = [local_grads(self.model, x, y, r, self.world_size) for r in range(self.world_size)]
+        per_rank = [local_grads(self.model, [(x, y)], r, self.world_size) for r in range(self.world_size)]
         for order in buckets:
             sizes = [self.params[i].numel() for i in order]
             flat = [torch.cat([grads[i].reshape(-1).float() for i in order]) for grads in per_rank]
@@ -107,7 +106,7 @@ def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, m
         x, y = data(step)
         buckets.clear()
         opt.zero_grad()
-        ddp_backward(ddp, x, y, rank, world_size)
+        local_backward(ddp, x, y, rank, world_size)
         opt.step()
         reference.step(x, y, buckets)
         assert_same_params(ddp.module, reference.model, step)
@@ -271,7 +270,7 @@ def _same_flat_bits(rank, world_size, state):
     x, y = data(0)
     ddp = DDP(Wide())
     ddp.register_comm_hook(state, ddp_triton.triton_hook)
-    ddp_backward(ddp, x, y, rank, world_size)
+    local_backward(ddp, x, y, rank, world_size)
     grads = torch.cat([p.grad.view(-1) for p in ddp.parameters()])
     gathered = [torch.empty_like(grads) for _ in range(world_size)]
     dist.all_gather(gathered, grads)

@@ -183,7 +183,7 @@ def test_sharded_exchanges_over_nccl(nccl_world_of_one, options):
 def test_fsdp_reduce_scatter_over_nccl_same_bits_as_on_cpu(nccl_world_of_one, options):
     """FSDP2 with ours at world size 1 on CUDA (FSDP calls no reduce-scatter there), then our reduce-scatter called
     as FSDP calls it, over NCCL: the CUDA kernels and NCCL's all-to-all give the CPU path's bits (that path is
-    checked against the formats' definitions at 2 and 3 gloo ranks in tests/runtime/test_fsdp.py)."""
+    checked against the formats' definitions at 2 and 3 gloo ranks in tests/dist/runtime/test_fsdp.py)."""
     import ddp_triton.fsdp
     from torch.distributed.fsdp import fully_shard
 

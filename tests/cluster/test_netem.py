@@ -4,7 +4,8 @@ multi-node autotune under ``torchrun --nnodes`` writes one profile cache per nod
 Tiers: the first tests (parsing, usage, missing privileges) need nothing. The ``netem`` tier builds network
 namespaces on this machine and runs gloo ranks on CPU across them: it needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and
 iproute2, and skips saying which is missing; the delay test also needs sch_netem in the kernel. Each netem test
-checks that ``ip netns list`` and ``ip link`` are the same after it as before. Rank programs: tests/netem_probe.py.
+checks that ``ip netns list`` and ``ip link`` are the same after it as before. Rank programs:
+tests/cluster/netem_probe.py.
 The bytes a run reports per node are the kernel's interface counters: a job that sends a known number of bytes
 checks them against it.
 """
@@ -26,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # bench/ is a package of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
 from bench import cluster  # noqa: E402
 
-PROBE = str(ROOT / "tests" / "netem_probe.py")
+PROBE = str(ROOT / "tests" / "cluster" / "netem_probe.py")
 
 
 def run_cluster(*args, timeout=120, check=True):

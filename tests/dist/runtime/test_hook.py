@@ -349,7 +349,7 @@ def test_float16_split_is_a_power_of_two_within_the_stated_bound(n):
 
 
 def test_comm_state_before_init_process_group_is_unbound():
-    """Built before the group exists it keeps its settings and binds later (tests/runtime/test_lazy_state.py)."""
+    """Built before the group exists it keeps its settings and binds later (tests/dist/runtime/test_lazy_state.py)."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     state = ddp_triton.CommState()

@@ -9,38 +9,28 @@ the noise, and names a flat exchange flat.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from cli_runner import cli, env  # noqa: F401 (env: a fixture)
 from ddp_triton.machine.profile import Profile, significantly_faster
 
-REPO = Path(__file__).resolve().parents[2]
 FORMATS = "bf16,bf16+fp32sum,fp8e4m3+ef,two-level fp8e4m3+ef"
 #: Seconds the burner may run at most: it is killed when the runs end, this bounds it if the test itself dies.
 BURN_LIMIT_S = 150
 
 
-def _env(tmp_path: Path) -> dict:
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO),
-               TRITON_INTERPRET="0")  # the CPU path production runs, not the kernels in the interpreter
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK"):
-        env.pop(k, None)
-    return env
-
-
 def _autotune(env: dict, out: Path) -> Profile:
-    r = subprocess.run([sys.executable, "-m", "ddp_triton.cli", "autotune", "--backend", "gloo", "--nproc", "2",
-                        "--formats", FORMATS, "--min-bytes", "256K", "--max-bytes", "1M", "--iters", "1",
-                        "--warmup", "1", "--format-budget", "4", "--no-cache", "--no-progress", "--out", str(out)],
-                       env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = cli(env, "autotune", "--backend", "gloo", "--nproc", "2", "--formats", FORMATS, "--min-bytes", "256K",
+            "--max-bytes", "1M", "--iters", "1", "--warmup", "1", "--format-budget", "4", "--no-cache", "--no-progress",
+            "--out", str(out))
     assert r.returncode == 0, r.stderr
     return Profile.load(out)
 
 
-def test_two_runs_on_a_busy_machine_choose_the_same_formats(tmp_path):
-    env = _env(tmp_path)
+def test_two_runs_on_a_busy_machine_choose_the_same_formats(env, tmp_path):
+    env = dict(env, TRITON_INTERPRET="0")  # the CPU path production runs, not the kernels in the interpreter
     burner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + "
                                f"{BURN_LIMIT_S}\nwhile time.monotonic() < end:\n    pass\n"])
     try:

@@ -14,7 +14,7 @@ import pytest
 
 grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter: pip install -e '.[test]'")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cycles(graph, modules):

@@ -21,7 +21,7 @@ import pytest
 
 from ddp_triton.machine import cost_model as cm
 
-DATA = Path(__file__).resolve().parents[2] / "bench" / "published" / "nccl_tests_allreduce.json"
+DATA = Path(__file__).resolve().parents[3] / "bench" / "published" / "nccl_tests_allreduce.json"
 SYSTEMS = json.loads(DATA.read_text())["systems"]
 #: The aim at 1 MiB and above.
 AIM = 1.3
@@ -109,7 +109,7 @@ def test_the_readme_table_shows_these_numbers():
     # bench.cost_model_validation prints the README's table; it must ask the model what this test asks.
     import sys
 
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     sys.path.insert(0, repo)
     try:
         from bench import cost_model_validation as bench
