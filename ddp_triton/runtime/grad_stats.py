@@ -271,21 +271,30 @@ def bucket_factors(model: Any, entries: List[Any], pass_id: int, no_stats: Optio
 # Below this sum of squares of a bucket's n values, n values squared below float32's normal range (2**-126; flushed
 # to zero, or denormal) could leave it off by more than float32's rounding (2**-23 of it): n * 2**-126 / 2**-23.
 _UNDERFLOW = 2.0 ** -103
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def unscaled_norm(entries: List[Any], factors: List[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm, in_range): the L2 norm of a pass's gradients (``entries``, each with stats) after each bucket's
     gradients were multiplied by its factor (None: 1), 0-dim float32 on the gradients' device; and whether that is
-    their norm as float32 computes it (a 0-dim bool): each unscaled bucket's statistics, taken before the factor,
-    neither overflowed nor underflowed float32 (or its gradients hold inf/NaN, which the factor keeps)."""
+    their norm as float32 computes it (a 0-dim bool): each unscaled bucket's sum of squares, both as the statistics
+    took it before the factor and after it (as torch's clip sums it), neither overflowed nor underflowed float32 (or
+    its gradients hold inf/NaN, which the factor keeps)."""
     device = entries[0].stats.device
     one = torch.ones((), dtype=torch.float64, device=device)
     squares = torch.stack([e.stats[0].to(device) for e in entries]).double()
     scales = torch.stack([one if f is None else f.to(device, torch.float64) for f in factors])
     norm = (squares * scales.square()).sum().sqrt().float()
-    unscaled = torch.stack([e.stats.to(device) for e, f in zip(entries, factors) if f is not None]).double()
-    least = _UNDERFLOW * sum(e.buffer.numel() for e in entries)
-    fine = (unscaled[:, 1] > 0) | (torch.isfinite(unscaled[:, 0]) & (unscaled[:, 0] >= least))
+    rows = [i for i, f in enumerate(factors) if f is not None]
+    stats = torch.stack([entries[i].stats.to(device) for i in rows]).double()
+    least = _UNDERFLOW * torch.tensor([entries[i].buffer.numel() for i in rows], dtype=torch.float64, device=device)
+    scaled = stats[:, 0]
+    unscaled = scaled * scales[rows].square()  # what torch's clip sums, in float32, from the unscaled gradients
+
+    def in_range(squares: torch.Tensor) -> torch.Tensor:
+        return (squares >= least) & (squares <= _FLOAT32_MAX)
+
+    fine = (stats[:, 1] > 0) | (torch.isfinite(scaled) & in_range(scaled) & in_range(unscaled))
     return norm, fine.all()
 
 

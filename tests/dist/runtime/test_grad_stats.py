@@ -342,6 +342,18 @@ def _amp(rank, world_size):
         assert "float32's range" in debug.call_args[0][1], debug.call_args
         scaler.step(opt)
         scaler.update()
+    # The scaled gradients' sum in range, the unscaled gradients' not (a loss of 1e20 under a scale of 2**-70): torch
+    # sums the unscaled squares in float32 to inf, and so must the clip.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-70)
+    ddp.zero_grad()
+    x, y = make_data(0)
+    loss = nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    scaler.scale(loss * 1e20).backward()
+    scaler.unscale_(opt)
+    with mock.patch.object(ddp_triton.runtime.clip.logger, "debug") as debug:
+        check_fallback(ddp, state, 0.05, "unscale_", scaler=scaler)
+    assert "float32's range" in debug.call_args[0][1], debug.call_args
+    scaler.update()
 
     # Two optimizers, each with whole buckets: unscale_ of one, then of both (a factor per bucket)
     for gabv in (False, True):
