@@ -51,10 +51,14 @@ def main(argv=None) -> int:
     except LookupError as e:
         print(f"readme_commands: {e}", file=sys.stderr)
         return 2
+    if any(line.rstrip().endswith("\\") or "<<" in line for line in lines):
+        print(f"readme_commands: block {args.name!r} continues a command over lines; keep one command a line",
+              file=sys.stderr)
+        return 2
     print("set -euo pipefail")
     for line in lines:  # each command shown as it runs (set -x would trace the venv's activate script too)
         print(f"echo {shlex.quote('+ ' + line)}")
-        print(line)
+        print(f"{line} || exit $?")  # set -e does not stop inside an && chain
     return 0
 
 

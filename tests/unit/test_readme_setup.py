@@ -12,10 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+STOP = " || exit $?"
+
+
 def commands(*args):
+    """(exit code, the block's commands as the script runs them, stderr); each command must stop the script when
+    it fails, which ``set -e`` does not do inside an ``&&`` chain."""
     out = subprocess.run([sys.executable, str(ROOT / ".ci" / "readme_commands.py"), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    return out.returncode, out.stdout.splitlines(), out.stderr
+    lines = [line for line in out.stdout.splitlines() if not line.startswith(("set ", "echo "))]
+    assert all(line.endswith(STOP) for line in lines), lines
+    return out.returncode, [line[: -len(STOP)] for line in lines], out.stderr
 
 
 def test_the_example_installs_torch_from_its_cpu_index_first():
@@ -46,6 +53,15 @@ def test_the_test_block_is_the_whole_suite():
 def test_ci_runs_each_block(name):
     run = (ROOT / ".ci" / "run").read_text()
     assert f"python3 .ci/readme_commands.py {name}" in run
+
+
+def test_a_failing_command_stops_the_block(tmp_path):
+    script = subprocess.run([sys.executable, str(ROOT / ".ci" / "readme_commands.py"), "tests"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert "\npython3 -m venv .venv && " in script
+    failing = script.replace("\npython3 -m venv .venv && ", "\nfalse && ", 1) + "\necho reached\n"
+    out = subprocess.run(["bash", "-c", failing], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "reached" not in out.stdout
 
 
 def test_a_block_the_readme_lost_is_an_error():
