@@ -123,6 +123,7 @@ def test_the_last_bucket_drains_without_holding_later_buckets_behind_earlier_one
     issued((1, 1, CROSS))  # bucket 0's all-gather between nodes is still in flight
     assert not rec.works[(0, 2)].future.done()
     for bucket, stage in ((0, 2), (1, 1), (1, 2)):
+        issued((bucket, stage, TWO_LEVEL[stage]))  # the draining thread issues bucket 1's stages in its own time
         rec.complete(bucket, stage)
     issued((1, 3, GATHER))
     draining.join(timeout=10)
