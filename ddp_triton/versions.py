@@ -20,21 +20,15 @@ DISTRIBUTIONS: Dict[str, Tuple[str, ...]] = {
 }
 
 
-def dist_version(*names: str) -> Optional[str]:
-    """Installed version of the first distribution found (e.g. "triton" or nightly's "pytorch-triton")."""
-    for name in names:
+def package_version(key: str) -> Optional[str]:
+    """Version of a package by its key in ``DISTRIBUTIONS`` ("torch", "triton", ...): that of the first of its
+    distributions installed (e.g. "triton" or nightly's "pytorch-triton"), or None."""
+    for name in DISTRIBUTIONS[key]:
         try:
             return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        except Exception:  # a broken installation's metadata
+        except Exception:  # not installed (PackageNotFoundError), or a broken installation's metadata
             continue
     return None
-
-
-def package_version(key: str) -> Optional[str]:
-    """Version of a package by its key in ``DISTRIBUTIONS`` ("torch", "triton", ...), or None."""
-    return dist_version(*DISTRIBUTIONS[key])
 
 
 def parse_nccl_version(v: Any) -> Optional[Tuple[int, int, int]]:

@@ -23,21 +23,19 @@ from ..machine import cost_model as cm
 from ..machine import profile as profiles
 from ..machine.cost_model import default_sizes
 from ..machine.profile import MiB as MIB
-from ..machine.profile import Profile, ProfileError, cache_dir, check_cache_writable, save_to_cache
+from ..machine.profile import Profile, ProfileError
 from ..machine.topology import TopologyError, apply_launch_env, load_topology
 from ..runtime.algo_groups import check_nccl_support
-from ..safe_write import OutputError, atomic_write_text, check_writable_target
 from ..tune import autotune as tuner
 from ..tune import processes
-from ..tune.autotune import nccl_tuner_csv_text
 from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR
+from ..tune.processes import under_torchrun
 from ..tune.step_timing import E2E_HOOKS, load_factory
 from ..versions import nccl_version
-from .args import EXIT_FAILED, EXIT_OK, UsageError, WriteFailed
+from .args import EXIT_FAILED, EXIT_OK, UsageError
+from .outputs import check_outputs, emit
 
 
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _launch_topology(args: argparse.Namespace, world_size: Optional[int], required: bool) -> Any:
@@ -102,76 +100,6 @@ def _check_tuner_csv(args: argparse.Namespace, topo: Any, backend: str) -> None:
         raise UsageError(f"--nccl-tuner-csv needs the cost model's protocols: {e}") from None
 
 
-def _writes_cache(args: argparse.Namespace) -> bool:
-    """Does this process write the cache? Under torchrun, rank 0 and the first process of each other node do."""
-    if args.no_cache:
-        return False
-    return not _under_torchrun() or os.environ.get("RANK") == "0" or os.environ.get("LOCAL_RANK") == "0"
-
-
-def _writes_files(args: argparse.Namespace) -> bool:
-    """Does this process write --out and --nccl-tuner-csv? Rank 0 does (it reports)."""
-    return not _under_torchrun() or os.environ.get("RANK") == "0"
-
-
-def _check_outputs(args: argparse.Namespace, profile: Any = None) -> None:
-    """Every output this process will write can be written: UsageError naming the first that cannot, before any is
-    written (and, called without a profile, before measuring). A path must be new (its folders are made) or a
-    regular file: never a symlink, directory, device or FIFO (``ddp_triton.safe_write``)."""
-    if _writes_cache(args):
-        try:
-            check_cache_writable(profile)
-        except ProfileError as e:
-            xdg = os.environ.get("XDG_CACHE_HOME")
-            where = f"XDG_CACHE_HOME={xdg}" if xdg else f"the cache is {cache_dir()}"
-            raise UsageError(f"{e} ({where}; or pass --no-cache)") from None
-    if not _writes_files(args):
-        return
-    named = [(flag, path) for flag, path in (("--out", args.out), ("--nccl-tuner-csv", args.nccl_tuner_csv))
-             if path is not None]
-    for flag, path in named:
-        try:
-            check_writable_target(path)
-        except OutputError as e:
-            raise UsageError(f"{flag} {e}") from None
-    if len(named) == 2 and os.path.abspath(named[0][1]) == os.path.abspath(named[1][1]):
-        raise UsageError(f"--out and --nccl-tuner-csv name the same file {named[0][1]}")
-
-
-def _emit(profile: Any, args: argparse.Namespace) -> int:
-    """Write the profile where asked: cache, --out, --nccl-tuner-csv, stdout. Everything is rendered and every
-    output checked before the first is written."""
-    human = sys.stderr if args.json else sys.stdout
-    csv_text = None
-    if args.nccl_tuner_csv:
-        try:
-            csv_text = nccl_tuner_csv_text(profile)
-        except ValueError as e:
-            raise UsageError(f"--nccl-tuner-csv: {e}") from None
-    _check_outputs(args, profile)
-    written = []
-    try:
-        if not args.no_cache:
-            cached = save_to_cache(profile)
-            if cached is not None:
-                written.append(cached)
-            else:
-                print("not cached: no topology fingerprint", file=human)
-        if args.out:
-            written.append(profile.save(args.out))
-        if csv_text is not None:
-            written.append(atomic_write_text(args.nccl_tuner_csv, csv_text))
-    except (ProfileError, OutputError) as e:
-        done = f" (written before it: {', '.join(map(str, written))})" if written else ""
-        raise WriteFailed(f"{e}{done}") from None
-    if args.json:
-        print(profile.to_json())
-    else:
-        print(profile.summary())
-    for p in written:
-        print(f"wrote {p}", file=human)
-    return EXIT_OK
-
 
 def _common_profile_kwargs(args: argparse.Namespace) -> dict:
     return {"fraction": args.fraction, "model_bytes": args.model_bytes, "min_buckets": args.min_buckets,
@@ -204,7 +132,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
         if on and not args.model_only:
             raise UsageError(f"{flag} is for --model-only ({why})")
     _check_formats(args)
-    _check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
+    check_outputs(args)  # before modelling or measuring: an output that cannot be written fails now
     if args.model_only:
         return _autotune_model(args, comm_dtype)
     return _autotune_distributed(args, comm_dtype, dtypes)
@@ -256,7 +184,7 @@ def _autotune_model(args: argparse.Namespace, comm_dtype: str) -> int:
         wire = _wire_table(cm.Fabric.from_topology(topo, calibration)) if args.wire_formats else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    code = _emit(prof, args)
+    code = emit(prof, args)
     if wire is not None:
         print(wire, file=sys.stderr if args.json else sys.stdout)
     return code
@@ -324,7 +252,7 @@ def _backend(args: argparse.Namespace) -> str:
 
 def _processes(args: argparse.Namespace, backend: str) -> Tuple[Optional[int], int]:
     """(processes to spawn, or None under torchrun; the world size they make)."""
-    if _under_torchrun():
+    if under_torchrun():
         nproc, world = None, int(os.environ["WORLD_SIZE"])
     else:
         nproc = args.nproc or (torch.cuda.device_count() if backend == "nccl" else 1)
@@ -411,4 +339,4 @@ def _autotune_distributed(args: argparse.Namespace, comm_dtype: str, dtypes: Opt
         return EXIT_FAILED
     if result is None:
         return EXIT_OK  # another rank of a torchrun job: rank 0 reports
-    return _emit(Profile.from_dict(result), args)
+    return emit(Profile.from_dict(result), args)

@@ -1,18 +1,6 @@
-"""``ddp-triton``'s parser and entry point, and its small commands: look at the topology, make and show tuning
-profiles, report the environment.
-
-Subcommands:
-
-* ``topo``: the GPU topology (NVML, a preset or a JSON file) as ``nvidia-smi topo -m`` prints it, or JSON (with
-  none found, ``--json`` prints an object with ``topology`` null, the ``error`` and the ``presets``).
-* ``autotune``: make a profile. ``--model-only`` from the cost model (no GPU needed; ``--calibration PROFILE``
-  applies a measured profile's fitted factors, ``--wire-formats`` adds a table of wire formats); by default by
-  timing all-reduces (one process per local GPU, or in place under ``torchrun`` for several nodes; ``--backend gloo
-  --nproc N`` times CPU processes), which also calibrates the cost model; ``--e2e MODULE:FUNCTION`` by timing DDP
-  steps of your model. The profile goes to the cache the hook reads, and to ``--out`` / stdout (``--json``) /
-  ``--nccl-tuner-csv`` on request.
-* ``profile show FILE``: a profile in words (or ``--json``).
-* ``env``: versions of Python, torch, Triton and NCCL, the GPUs torch and NVML see: what a bug report needs.
+"""``ddp-triton``'s parser and entry point, and its small commands: ``topo`` (the GPU topology as ``nvidia-smi topo
+-m`` prints it, or JSON), ``profile show`` (a profile in words) and ``env`` (versions and GPUs, for bug reports);
+``autotune`` is ``cli/autotune.py``. Each command's ``--help`` says what it does.
 
 Exit codes: 0 done, 2 bad usage or bad input (unknown topology, unreadable profile, impossible numbers, an output
 path that is a symlink, directory, device or FIFO), 1 a failure while measuring or while writing an output that
@@ -33,8 +21,7 @@ from ..machine.profile import CONFIDENCE, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_B
 from ..machine.topology import PRESETS, TopologyError, load_topology
 from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MIN_ROUNDS
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
-                   nonneg_float,
-                   nonneg_int, parse_size, positive_float, positive_int)
+                   nonneg_float, nonneg_int, parse_size, positive_float, positive_int)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,5 @@
-"""Making profiles by measuring: timed all-reduces, or timed training steps; and NCCL's tuner CSV of a profile.
-
-* ``measure_profile(...)``: inside an initialised process group, nccl-tests-style timings (``sweep.run_sweep``),
-  and the cost model calibrated to them (``machine.profile.calibrate``: per algorithm, least squares on log-time),
-  stored in the profile for ``autotune --model-only --calibration``. On gloo there is one all-reduce algorithm; it
-  is recorded as ``ring`` (gloo's CPU all-reduce is ring-based) and the profile says so in ``notes``.
-* ``e2e_profile(...)``: DDP steps of the user's model (``MODULE:FUNCTION``, contract in
-  ``step_timing.load_factory``) for candidate bucket sizes and hooks; the fastest wins. ``e2e_base_profile``: the
-  profile it starts from.
-* ``nccl_tuner_csv_text``: the profile's table as the CSV NCCL's example tuner plugin reads.
+"""Making profiles by measuring: timed all-reduces (``measure_profile``, which also calibrates the cost model to them)
+or timed DDP steps of the user's model (``e2e_profile``); and NCCL's tuner CSV of a profile (``nccl_tuner_csv_text``).
 
 The cost model's profile needs no measuring: ``ddp_triton.machine.profile.model_profile``. ``measure_worker`` and
 ``e2e_worker`` are the entry points ``processes.spawn_local`` runs on each process.
@@ -24,7 +16,7 @@ import torch.distributed as dist
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
 from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice,
-                               FormatRow, Profile, SweepRow, admitted_formats, cached_or_model_profile, calibrate,
+                               FormatRow, Profile, admitted_formats, cached_or_model_profile, calibrate,
                                fallback_profile, format_bytes, format_choice, now_iso, profile_from_rows,
                                rows_for_dtype, save_to_cache)
 from ..machine.topology import Topology
@@ -84,8 +76,10 @@ def measure_profile(topo: Any = None, sizes: Optional[Sequence[int]] = None,
                     format_budget_s: float = DEFAULT_BUDGET_S) -> Profile:
     """Time all-reduces on the default process group (every rank calls this) and build a ``measured`` profile.
 
-    ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows. On gloo the one
-    algorithm is recorded as ``ring``. Every rank measures rank 0's plan (sizes, dtypes, algorithms, comm dtype,
+    ``dtypes`` defaults to ``[comm_dtype]``; the table and bucket size use the ``comm_dtype`` rows, and the cost
+    model is calibrated to them (per algorithm, least squares on log-time) and stored in the profile for ``autotune
+    --model-only --calibration``. On gloo the one algorithm is recorded as ``ring`` (gloo's CPU all-reduce is
+    ring-based), and the notes say so. Every rank measures rank 0's plan (sizes, dtypes, algorithms, comm dtype,
     warmup, iters): ranks that read their machine or NCCL version differently must still issue the same
     collectives. A plan rank 0 cannot make is a ValueError on every rank.
 
@@ -166,7 +160,7 @@ def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: st
                        backend: str) -> Tuple[Optional[Any], str]:
     """The cost model calibrated to the ``comm_dtype`` rows of a measured sweep, and a note for the profile saying
     how well it fits, or why there is none (no topology; several nodes without an inter-node rate; too few sizes)."""
-    comm_rows = rows_for_dtype([r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows], comm_dtype)
+    comm_rows = rows_for_dtype(rows, comm_dtype)
     try:
         calibration = calibrate(topo, comm_rows, backend)
     except ValueError as e:
@@ -240,16 +234,11 @@ def share_profile(profile: Optional[Dict[str, Any]], cache: bool = True) -> Tupl
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _topo_from(config: Dict[str, Any]) -> Any:
-    if not config.get("topology"):
-        return None
-    return Topology.from_dict(config["topology"])
-
-
 def measure_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Run ``measure_profile`` with ``config``'s keyword arguments; the profile as a dict."""
     kwargs = {k: v for k, v in config.items() if k != "topology"}
-    return measure_profile(topo=_topo_from(config), **kwargs).to_dict()
+    topo = Topology.from_dict(config["topology"]) if config.get("topology") else None
+    return measure_profile(topo=topo, **kwargs).to_dict()
 
 
 def e2e_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:

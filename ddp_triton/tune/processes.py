@@ -79,6 +79,11 @@ def spawn_local(fn_path: str, nprocs: int, backend: str, args: Sequence[Any] = (
             return json.load(f)
 
 
+def under_torchrun() -> bool:
+    """Is this process one rank of a launcher's (torchrun's) job: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set?"""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
 def init_in_place(backend: str) -> bool:
     """Join a process group from a launcher's environment (torchrun), or as a group of one; True if we created it.
 
@@ -88,7 +93,7 @@ def init_in_place(backend: str) -> bool:
         return False
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if under_torchrun():
         dist.init_process_group(backend, init_method="env://")
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

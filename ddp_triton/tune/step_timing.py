@@ -150,5 +150,4 @@ def e2e_bucket_candidates(base_mb: float, model_bytes: int) -> List[float]:
     model's size (one bucket holds everything there)."""
     model_mb = max(model_bytes / (1 << 20), 1e-3)
     picks = {round(x, 4) for x in (base_mb / 2, base_mb, base_mb * 2, 25.0)}
-    out = sorted({min(x, round(model_mb, 4)) for x in picks if x > 0 and math.isfinite(x)})
-    return out
+    return sorted({min(x, round(model_mb, 4)) for x in picks if x > 0 and math.isfinite(x)})

@@ -18,21 +18,15 @@ one node's measurement (``--calibration``) or from public figures alone.
 Units: bytes, microseconds, GB/s (10^9 bytes per second, as nccl-tests prints).
 """
 
-from ...dtypes import DTYPE_SIZES, dtype_size, normalize_dtype
+from ...dtypes import normalize_dtype
 from ...versions import parse_nccl_version
 from .calibration import AlgorithmCalibration, Calibration
-from .fabric import (ALGORITHMS, KNOWN_ARCHES, LINK_KINDS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, NVLS_DTYPES,
-                     NVLS_NEEDS_3_GPUS, NVLS_SINGLE_NODE_ONLY, PROTOCOLS, Estimate, Fabric, Layout, algbw_gbps,
-                     algorithm_unavailable_reason, available_algorithms, busbw_factor, busbw_gbps, default_sizes,
-                     nvls_min_ranks_per_node)
-from .fabric import _LL, _LL128, _SIMPLE  # noqa: F401 (protocol indices, as the model's internals and tests use them)
+from .fabric import (ALGORITHMS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, PROTOCOLS, Estimate, Fabric, Layout, algbw_gbps,
+                     algorithm_unavailable_reason, available_algorithms, busbw_factor, busbw_gbps, default_sizes)
 from .fit import fit_algorithm, fit_calibration
-from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, LL_MAX_BUSBW_MULTI_NODE, LL_MAX_BUSBW_ONE_NODE, NET_EFFICIENCY,
-                   NET_OVERHEAD_US, NVLINK_EFFICIENCY, NVLS_ALGBW_FRACTION, NVLS_ALGBW_FRACTION_HOPPER,
-                   PCIE_EFFICIENCY, RING_LL128_FACTOR, RING_LL_FACTOR, RING_PLATEAU, SINGLE_RANK_US, TREE_CORRECTION,
-                   TREE_FACTOR, TREE_LL128_FACTOR_MULTI_NODE, TREE_LL128_FACTOR_ONE_NODE, TREE_LL_FACTOR,
-                   comm_channels, graph_channels, nccl_protocol, nccl_protocol_time_us, nvls_chunk_bytes)
-from .nccl import _latency_us, _log2i  # noqa: F401 (NCCL's latency and log2i, which the tests check by hand)
+from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, SINGLE_RANK_US, comm_channels,
+                   graph_channels, nccl_protocol, nccl_protocol_time_us, nvls_chunk_bytes)
+from .nccl import _latency_us  # noqa: F401 (NCCL's latency, which the tests check by hand)
 from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best,
                    estimate, nccl_choice, protocol_time_us, ring_windows, sweep)
 from .wire import (CPU_HOST_COST, GPU_HOST_COST, HostCost, all_gather_time_us, all_to_all_time_us, bucket_time_us,
@@ -41,15 +35,11 @@ from .wire import (CPU_HOST_COST, GPU_HOST_COST, HostCost, all_gather_time_us, a
 
 __all__ = [
     # vocabulary (fabric.py; dtypes and NCCL versions from the base modules)
-    "ALGORITHMS", "DTYPE_SIZES", "KNOWN_ARCHES", "LINK_KINDS", "MIN_NCCL_VERSION", "NCCL_ALGO_NAMES", "NVLS_DTYPES",
-    "NVLS_NEEDS_3_GPUS", "NVLS_SINGLE_NODE_ONLY", "PROTOCOLS", "Estimate", "Fabric", "Layout", "algbw_gbps",
+    "ALGORITHMS", "MIN_NCCL_VERSION", "NCCL_ALGO_NAMES", "PROTOCOLS", "Estimate", "Fabric", "Layout", "algbw_gbps",
     "algorithm_unavailable_reason", "available_algorithms", "busbw_factor", "busbw_gbps", "default_sizes",
-    "dtype_size", "normalize_dtype", "nvls_min_ranks_per_node", "parse_nccl_version",
+    "normalize_dtype", "parse_nccl_version",
     # NCCL's own model (nccl.py)
-    "BASE_LATENCY_US", "HW_LATENCY_US", "LL_MAX_BUSBW_MULTI_NODE", "LL_MAX_BUSBW_ONE_NODE", "NET_EFFICIENCY",
-    "NET_OVERHEAD_US", "NVLINK_EFFICIENCY", "NVLS_ALGBW_FRACTION", "NVLS_ALGBW_FRACTION_HOPPER", "PCIE_EFFICIENCY",
-    "RING_LL128_FACTOR", "RING_LL_FACTOR", "RING_PLATEAU", "SINGLE_RANK_US", "TREE_CORRECTION", "TREE_FACTOR",
-    "TREE_LL128_FACTOR_MULTI_NODE", "TREE_LL128_FACTOR_ONE_NODE", "TREE_LL_FACTOR", "comm_channels",
+    "BASE_LATENCY_US", "HW_LATENCY_US", "NET_OVERHEAD_US", "NVLS_ALGBW_FRACTION", "SINGLE_RANK_US", "comm_channels",
     "graph_channels", "nccl_protocol", "nccl_protocol_time_us", "nvls_chunk_bytes",
     # the ramp (ramp.py)
     "AMPERE_NVLINK_STEP_US", "AMPERE_RING_LL_FACTOR", "NET_CHUNK_OVERHEAD_US", "NVLS_CHUNK_SYNC_US", "best",

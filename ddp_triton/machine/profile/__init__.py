@@ -1,6 +1,7 @@
 """The tuning profile: which NCCL algorithm each all-reduce size should use, and the DDP bucket size.
 
-- `schema`: `Profile` and its rows, validated JSON (the schema is in its docstring), `ddp_kwargs`.
+- `schema`: `Profile`, validated JSON (the schema is in its docstring), read and written as files; `ddp_kwargs`.
+- `rows`: the rows and ranges a profile holds (sweep rows, algorithm ranges, the wire format choice), validated.
 - `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
 - `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
 - `formats`: the wire format per bucket size among those allowed, and the substitutions (plain bf16, flat two-level).
@@ -8,19 +9,17 @@
   ``ddp_triton.formats``').
 """
 
-from .build import (DEFAULT_FRACTION, DEFAULT_GRAD_DTYPE, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB,
-                    DEFAULT_TIE_TOLERANCE, build_table,
+from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB, build_table,
                     cached_or_model_profile, calibrate, check_calibration_fits, choose_bucket_cap_mb,
                     fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
-from .cache import (cache_dir, cache_path, cache_path_of, check_cache_writable, find_cached_profile,
-                    profile_fingerprint, save_to_cache)
+from .cache import cache_dir, cache_path, check_cache_writable, find_cached_profile, profile_fingerprint, save_to_cache
 from .format_rule import (CONFIDENCE, SWITCH_TOLERANCE, FormatDecision, TimingStats, choose_format, decide_format,
                           median_interval, significantly_faster)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
-                      format_choice, model_format_choice, model_format_rows, ring_error, runs_flat)
-from .schema import (AUTO_FORMAT, BACKENDS, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, FormatChoice, FormatRange,
-                     FormatRow, MiB, Profile, ProfileError, SweepRow, TableEntry, ddp_kwargs, format_bytes, load_profile,
-                     now_iso)
+                      format_choice, model_format_choice, ring_error, runs_flat)
+from .rows import FormatChoice, FormatRange, FormatRow, SweepRow, TableEntry
+from .schema import (AUTO_FORMAT, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, MiB, Profile, ProfileError, ddp_kwargs,
+                     format_bytes, load_profile, now_iso)
 
 __all__ = [
     "AUTO_FORMAT",
@@ -43,15 +42,11 @@ __all__ = [
     "choose_formats",
     "format_choice",
     "model_format_choice",
-    "model_format_rows",
     "ring_error",
-    "BACKENDS",
     "DEFAULT_FRACTION",
-    "DEFAULT_GRAD_DTYPE",
     "DEFAULT_HOST_US_PER_BUCKET",
     "DEFAULT_MAX_BUCKET_MB",
     "DEFAULT_MIN_BUCKETS",
-    "DEFAULT_TIE_TOLERANCE",
     "MiB",
     "Profile",
     "ProfileError",
@@ -62,7 +57,6 @@ __all__ = [
     "build_table",
     "cache_dir",
     "cache_path",
-    "cache_path_of",
     "cached_or_model_profile",
     "calibrate",
     "check_cache_writable",

@@ -1,18 +1,11 @@
-"""Making a profile: the table and bucket size from sweep rows, and a whole profile from rows or from the cost model.
-
-* ``build_table``: the fastest algorithm per size as contiguous ranges; ``choose_bucket_cap_mb``: DDP's bucket size.
-* ``profile_from_rows``: a profile from timed or modelled rows; ``model_profile(topo)``: the cost model's, no GPU
-  needed; ``fallback_profile``: one ring range, for a machine the model cannot describe.
-* ``cached_or_model_profile``: this machine's cached profile, else the cost model's (the hook and ``autotune --e2e``
-  both start from it).
-* ``calibrate``: the cost model fitted to measured rows (measure mode stores it in the profile); ``node_fingerprint``
-  names the kind of node a calibration describes; ``model_profile(..., calibration=...)`` predicts with it.
+"""Making a profile: the table and bucket size from sweep rows, and a whole profile from rows, from the cost model
+(no GPU needed; calibrated to a measured sweep if given), or from this machine's cache (``cached_or_model_profile``:
+what the hook and ``autotune --e2e`` both start from).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...dtypes import dtype_size, normalize_dtype
@@ -20,7 +13,8 @@ from ...versions import software_versions
 from .. import cost_model as cm
 from ..cost_model import ALGORITHMS, Calibration
 from .cache import find_cached_profile, profile_fingerprint
-from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, SweepRow, TableEntry, format_bytes
+from .rows import SweepRow, TableEntry, size_ranges
+from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, format_bytes
 
 #: Default fraction of the best busbw a bucket's all-reduce must reach: 90%.
 DEFAULT_FRACTION = 0.9
@@ -71,16 +65,9 @@ def build_table(rows: Iterable[Union[SweepRow, Mapping[str, Any]]],
             if same and same[0].time_us <= fastest.time_us * (1.0 + tie_tolerance):
                 fastest = same[0]
         picks.append(fastest)
-    table: List[TableEntry] = []
-    for i, (s, r) in enumerate(zip(sizes, picks)):
-        hi = math.isqrt(s * sizes[i + 1]) if i + 1 < len(sizes) else None
-        proto = r.protocol if r.protocol is not None else (protocol_of(r.algorithm, s) if protocol_of else None)
-        if table and table[-1].algorithm == r.algorithm and table[-1].protocol == proto:
-            table[-1].max_bytes = hi
-        else:
-            lo = 0 if not table else table[-1].max_bytes + 1  # type: ignore[operator]
-            table.append(TableEntry(lo, hi, r.algorithm, proto))
-    return table
+    keys = [(r.algorithm, r.protocol if r.protocol is not None or protocol_of is None else protocol_of(r.algorithm, s))
+            for s, r in zip(sizes, picks)]
+    return [TableEntry(lo, hi, alg, proto) for lo, hi, (alg, proto), _ in size_ranges(sizes, keys)]
 
 
 def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fraction: float = DEFAULT_FRACTION,
@@ -159,10 +146,10 @@ def choose_bucket_cap_mb(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], fra
     return mb, reason
 
 
-def rows_for_dtype(rows: Sequence[SweepRow], comm_dtype: str) -> List[SweepRow]:
+def rows_for_dtype(rows: Iterable[Union[SweepRow, Mapping[str, Any]]], comm_dtype: str) -> List[SweepRow]:
     """The rows measured in ``comm_dtype`` (rows without a dtype count as comm_dtype)."""
     dt = normalize_dtype(comm_dtype)
-    return [r for r in rows if r.dtype in (None, dt)]
+    return [r for r in _as_rows(rows) if r.dtype in (None, dt)]
 
 
 def _protocol_guesser(topo: Any, comm_dtype: str) -> Optional[Callable[[str, int], Optional[str]]]:
@@ -191,7 +178,7 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
                       host_us_per_bucket: float = 0.0) -> Profile:
     """A profile from sweep rows: table and bucket size from the rows in ``comm_dtype``; ``calibration`` is stored
     with it."""
-    all_rows = [r if isinstance(r, SweepRow) else SweepRow.from_dict(r) for r in rows]
+    all_rows = _as_rows(rows)
     comm_rows = rows_for_dtype(all_rows, comm_dtype)
     if not comm_rows:
         raise ValueError(f"no sweep rows in comm dtype {comm_dtype}")

@@ -14,7 +14,6 @@ on the wire: the hook looks a bucket's format up by its size before it knows how
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -22,7 +21,8 @@ import numpy as np
 from ...formats import WireFormat, canonical_name
 from .. import cost_model as cm
 from .format_rule import SWITCH_TOLERANCE, FormatDecision, decide_format
-from .schema import FormatChoice, FormatRange, FormatRow, format_bytes
+from .rows import FormatChoice, FormatRange, FormatRow, size_ranges
+from .schema import format_bytes
 
 #: Plain bf16 gives way to bf16 with float32 sums where its modelled error is more than this many times larger.
 ERROR_RATIO_LIMIT = 2.0
@@ -145,21 +145,12 @@ def choose_formats(rows: Sequence[FormatRow], tolerance: float = SWITCH_TOLERANC
         incumbent = decisions[-1].format if decisions else None
         decisions.append(decide_format({f: row.stats for f, row in by_size[size].items()}, incumbent, tolerance))
     ranges: List[FormatRange] = []
-    covered: List[List[int]] = []
-    for i, (size, decision) in enumerate(zip(sizes, decisions)):
-        hi = math.isqrt(size * sizes[i + 1]) if i + 1 < len(sizes) else None
-        if ranges and ranges[-1].format == decision.format:
-            ranges[-1].max_bytes = hi
-            covered[-1].append(i)
-        else:
-            lo = 0 if not ranges else ranges[-1].max_bytes + 1  # type: ignore[operator]
-            ranges.append(FormatRange(lo, hi, decision.format, ""))
-            covered.append([i])
-    for r, evaluated in zip(ranges, covered):
+    for lo, hi, fmt, evaluated in size_ranges(sizes, [d.format for d in decisions]):
         ends = (evaluated[0], evaluated[-1]) if len(evaluated) > 1 else (evaluated[0],)
-        r.reason = "; ".join(f"{format_bytes(sizes[i])}: {decisions[i].reason}" for i in ends)
-        if r.format in (replaced or {}):
-            r.reason += f"; {replaced[r.format]}"  # type: ignore[index]
+        reason = "; ".join(f"{format_bytes(sizes[i])}: {decisions[i].reason}" for i in ends)
+        if fmt in (replaced or {}):
+            reason += f"; {replaced[fmt]}"  # type: ignore[index]
+        ranges.append(FormatRange(lo, hi, fmt, reason))
     return ranges
 
 

@@ -59,13 +59,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from ...dtypes import normalize_dtype
-from ...formats import canonical_name
 from ...safe_write import OutputError, atomic_write_text
-from ..cost_model import ALGORITHMS, PROTOCOLS, Calibration
-from .format_rule import TimingStats
+from ..cost_model import ALGORITHMS, Calibration
+from .rows import (_SWEEP_FIELDS, _TABLE_FIELDS, FormatChoice, SweepRow, TableEntry, _contiguous, _int,
+                   _refuse_unknown, _refuse_unknown_in_lists)
 
 SCHEMA_VERSION = 3
 SOURCES = ("model", "measured", "e2e")
@@ -92,293 +92,9 @@ class ProfileError(ValueError):
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 
-def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> None:
-    unknown = sorted(set(map(str, d)) - set(known))
-    if unknown:
-        raise ValueError(f"{where}unknown field(s) {', '.join(map(repr, unknown))}")
-
-
-def _refuse_unknown_in_lists(d: Mapping[str, Any], lists: Sequence[Tuple[str, Sequence[str]]], where: str) -> None:
-    """``_refuse_unknown`` for every object in the lists ``d[key]``, by (key, known fields)."""
-    for key, known in lists:
-        entries = d.get(key)
-        if isinstance(entries, list):
-            for i, entry in enumerate(entries):
-                if isinstance(entry, Mapping):
-                    _refuse_unknown(entry, known, f"{where}{key}[{i}]: ")
-
-
-def _bounds(entry: Any, where: str) -> None:
-    """Check a range's ``min_bytes`` and ``max_bytes`` (None: unbounded) in place."""
-    entry.min_bytes = _int(entry.min_bytes, "min_bytes", where, 0)
-    if entry.max_bytes is not None:
-        entry.max_bytes = _int(entry.max_bytes, "max_bytes", where, entry.min_bytes)
-
-
 _PROFILE_FIELDS = ("schema_version", "source", "world_size", "nodes", "comm_dtype", "bucket_cap_mb", "bucket_reason",
                    "sweep", "table", "topology_fingerprint", "topology_name", "backend", "versions", "created", "e2e",
                    "notes", "calibration", "formats")
-_FORMATS_FIELDS = ("source", "allowed", "admitted", "table", "rows", "host", "notes")
-_FORMAT_RANGE_FIELDS = ("min_bytes", "max_bytes", "format", "reason")
-_FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us", "interval_us", "samples")
-_TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
-_SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Rows
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _check_algorithm(alg: Any, where: str) -> None:
-    if alg not in ALGORITHMS:
-        raise ValueError(f"{where}: unknown algorithm {alg!r}; known: {', '.join(ALGORITHMS)}")
-
-
-def _check_protocol(proto: Any, where: str) -> None:
-    if proto is not None and proto not in PROTOCOLS:
-        raise ValueError(f"{where}: unknown protocol {proto!r}; known: {', '.join(PROTOCOLS)}")
-
-
-def _finite_nonneg(x: Any, name: str, where: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-        raise ValueError(f"{where}: {name} must be a finite number >= 0, got {x!r}")
-    return float(x)
-
-
-def _int(x: Any, name: str, where: str, minimum: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
-        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {x!r}")
-    return x
-
-
-@dataclass
-class SweepRow:
-    """One timed (or modelled) all-reduce: size, algorithm and what it cost."""
-
-    nbytes: int
-    """Message size in bytes (``bytes`` in JSON)."""
-    algorithm: str
-    time_us: float
-    algbw_gbps: float
-    busbw_gbps: float
-    dtype: Optional[str] = None
-    """Element type of the message; None means the profile's comm_dtype."""
-    protocol: Optional[str] = None
-    """NCCL protocol the model predicts; None when measured (NCCL chose)."""
-
-    def __post_init__(self) -> None:
-        where = "sweep row"
-        self.nbytes = _int(self.nbytes, "bytes", where, 1)
-        _check_algorithm(self.algorithm, where)
-        self.time_us = _finite_nonneg(self.time_us, "time_us", where)
-        self.algbw_gbps = _finite_nonneg(self.algbw_gbps, "algbw_gbps", where)
-        self.busbw_gbps = _finite_nonneg(self.busbw_gbps, "busbw_gbps", where)
-        if self.dtype is not None:
-            self.dtype = normalize_dtype(self.dtype)
-        _check_protocol(self.protocol, where)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"bytes": self.nbytes, "algorithm": self.algorithm, "time_us": self.time_us,
-                "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps, "dtype": self.dtype,
-                "protocol": self.protocol}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SweepRow":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"sweep row must be an object, got {d!r}")
-        return cls(nbytes=d["bytes"], algorithm=d["algorithm"], time_us=d["time_us"], algbw_gbps=d["algbw_gbps"],
-                   busbw_gbps=d["busbw_gbps"], dtype=d.get("dtype"), protocol=d.get("protocol"))
-
-
-@dataclass
-class TableEntry:
-    """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algorithm``."""
-
-    min_bytes: int
-    max_bytes: Optional[int]
-    algorithm: str
-    protocol: Optional[str] = None
-    """The protocol the model expects NCCL to pick (for the tuner CSV); None when unknown."""
-
-    def __post_init__(self) -> None:
-        where = "table entry"
-        _bounds(self, where)
-        _check_algorithm(self.algorithm, where)
-        _check_protocol(self.protocol, where)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "algorithm": self.algorithm,
-                "protocol": self.protocol}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TableEntry":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"table entry must be an object, got {d!r}")
-        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], algorithm=d["algorithm"],
-                   protocol=d.get("protocol"))
-
-
-def _format_name(name: Any, where: str) -> str:
-    try:
-        return canonical_name(name)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _contiguous(ranges: Sequence[Any], what: str) -> None:
-    """ValueError unless ``ranges`` (with min_bytes, max_bytes) start at 0, follow on, and end unbounded."""
-    if not ranges:
-        raise ValueError(f"{what} must have at least one entry")
-    if ranges[0].min_bytes != 0:
-        raise ValueError(f"{what} must start at 0 bytes, starts at {ranges[0].min_bytes}")
-    for prev, nxt in zip(ranges, ranges[1:]):
-        if prev.max_bytes is None or nxt.min_bytes != prev.max_bytes + 1:
-            raise ValueError(f"{what} ranges must be contiguous: {prev.to_dict()} then {nxt.to_dict()}")
-    if ranges[-1].max_bytes is not None:
-        raise ValueError(f"the last {what} range must be unbounded (max_bytes null), got {ranges[-1].to_dict()}")
-
-
-@dataclass
-class FormatRow:
-    """One bucket size (gradient bytes) in one wire format: its time, measured or modelled, and the model's."""
-
-    nbytes: int
-    format: str
-    time_us: float
-    """The median of the timings (measured), or the modelled time."""
-    model_us: Optional[float] = None
-    """The cost model's time for it (wire and host); None when the model could not describe the machine."""
-    interval_us: Optional[Tuple[float, float]] = None
-    """The confidence interval on the median (``format_rule.median_interval``); None: a point (modelled)."""
-    samples: Optional[int] = None
-    """How many timings the median and interval come from; None: a point."""
-
-    def __post_init__(self) -> None:
-        where = "format row"
-        self.nbytes = _int(self.nbytes, "bytes", where, 1)
-        self.format = _format_name(self.format, where)
-        self.time_us = _finite_nonneg(self.time_us, "time_us", where)
-        if self.model_us is not None:
-            self.model_us = _finite_nonneg(self.model_us, "model_us", where)
-        if self.interval_us is not None:
-            if not isinstance(self.interval_us, (list, tuple)) or len(self.interval_us) != 2:
-                raise ValueError(f"{where}: interval_us must be [low, high] or null, got {self.interval_us!r}")
-            lo, hi = (_finite_nonneg(v, "interval_us", where) for v in self.interval_us)
-            if not lo <= self.time_us <= hi:
-                raise ValueError(f"{where}: interval_us {[lo, hi]} must hold time_us {self.time_us}")
-            self.interval_us = (lo, hi)
-        if self.samples is not None:
-            self.samples = _int(self.samples, "samples", where, 1)
-
-    @property
-    def stats(self) -> TimingStats:
-        """The timing as the format rule reads it: a point without an interval."""
-        if self.interval_us is None:
-            return TimingStats.point(self.time_us)
-        return TimingStats(self.time_us, self.interval_us[0], self.interval_us[1], self.samples or 1)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"bytes": self.nbytes, "format": self.format, "time_us": self.time_us, "model_us": self.model_us,
-                "interval_us": None if self.interval_us is None else list(self.interval_us),
-                "samples": self.samples}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRow":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"format row must be an object, got {d!r}")
-        return cls(nbytes=d["bytes"], format=d["format"], time_us=d["time_us"], model_us=d.get("model_us"),
-                   interval_us=d.get("interval_us"), samples=d.get("samples"))
-
-
-@dataclass
-class FormatRange:
-    """Buckets of ``min_bytes`` to ``max_bytes`` gradient bytes (inclusive; None: no bound) travel in ``format``."""
-
-    min_bytes: int
-    max_bytes: Optional[int]
-    format: str
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        where = "format range"
-        _bounds(self, where)
-        self.format = _format_name(self.format, where)
-        if not isinstance(self.reason, str):
-            raise ValueError(f"{where}: reason must be a string, got {self.reason!r}")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "format": self.format,
-                "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRange":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"format range must be an object, got {d!r}")
-        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], format=d["format"],
-                   reason=d.get("reason", ""))
-
-
-@dataclass
-class FormatChoice:
-    """The wire format per bucket size: the formats allowed, those chosen among, the ranges and the timings."""
-
-    source: str
-    """``model`` or ``measured``."""
-    allowed: List[str]
-    admitted: List[str]
-    table: List[FormatRange]
-    rows: List[FormatRow] = field(default_factory=list)
-    host: str = ""
-    notes: List[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.source not in ("model", "measured"):
-            raise ValueError(f"formats: source must be 'model' or 'measured', got {self.source!r}")
-        for key in ("allowed", "admitted", "notes"):
-            if not isinstance(getattr(self, key), list):
-                raise ValueError(f"formats: {key} must be a list, got {getattr(self, key)!r}")
-        self.allowed = [_format_name(f, "formats.allowed") for f in self.allowed]
-        self.admitted = [_format_name(f, "formats.admitted") for f in self.admitted]
-        if not self.admitted:
-            raise ValueError("formats: admitted must name at least one format")
-        if not isinstance(self.table, list) or not isinstance(self.rows, list):
-            raise ValueError("formats: table and rows must be lists")
-        self.table = [t if isinstance(t, FormatRange) else FormatRange.from_dict(t) for t in self.table]
-        self.rows = [r if isinstance(r, FormatRow) else FormatRow.from_dict(r) for r in self.rows]
-        _contiguous(self.table, "formats table")
-        stray = sorted({t.format for t in self.table} - set(self.admitted))
-        if stray:
-            raise ValueError(f"formats: the table uses {', '.join(stray)}, which admitted does not list")
-        if not isinstance(self.host, str) or not all(isinstance(n, str) for n in self.notes):
-            raise ValueError("formats: host and notes must be strings")
-        self._maxes = [t.max_bytes for t in self.table[:-1]]
-
-    def format_for(self, grad_bytes: int) -> str:
-        """The format of a bucket of ``grad_bytes`` gradient bytes."""
-        return self.table[bisect.bisect_left(self._maxes, grad_bytes)].format
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"source": self.source, "allowed": list(self.allowed), "admitted": list(self.admitted),
-                "table": [t.to_dict() for t in self.table], "rows": [r.to_dict() for r in self.rows],
-                "host": self.host, "notes": list(self.notes)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FormatChoice":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"formats must be null or an object, got {d!r}")
-        _refuse_unknown(d, _FORMATS_FIELDS, "formats: ")
-        _refuse_unknown_in_lists(d, (("table", _FORMAT_RANGE_FIELDS), ("rows", _FORMAT_ROW_FIELDS)), "formats.")
-        try:
-            return cls(source=d["source"], allowed=d["allowed"], admitted=d["admitted"], table=d["table"],
-                       rows=d.get("rows") or [], host=d.get("host", ""), notes=d.get("notes") or [])
-        except KeyError as e:
-            raise ValueError(f"formats: missing field {e.args[0]!r}") from None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The profile
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def now_iso() -> str:
@@ -499,9 +215,8 @@ class Profile:
                  f"created: {self.created}",
                  "algorithm by all-reduce size:"]
         for t in self.table:
-            hi = "inf" if t.max_bytes is None else format_bytes(t.max_bytes)
             proto = f" ({t.protocol})" if t.protocol else ""
-            lines.append(f"  {format_bytes(t.min_bytes):>10} .. {hi:<10} {t.algorithm}{proto}")
+            lines.append(f"  {_range_text(t)} {t.algorithm}{proto}")
         lines.append(f"bucket_cap_mb: {self.bucket_cap_mb:g}  ({self.bucket_reason})" if self.bucket_reason
                      else f"bucket_cap_mb: {self.bucket_cap_mb:g}")
         lines.append(f"DDP arguments: {ddp_kwargs(self)}")
@@ -512,9 +227,7 @@ class Profile:
         if self.formats is not None:
             lines.append(f"wire format by bucket size ({self.formats.source}; allowed: "
                          f"{', '.join(self.formats.allowed)}):")
-            for t in self.formats.table:
-                hi = "inf" if t.max_bytes is None else format_bytes(t.max_bytes)
-                lines.append(f"  {format_bytes(t.min_bytes):>10} .. {hi:<10} {t.format}: {t.reason}")
+            lines.extend(f"  {_range_text(t)} {t.format}: {t.reason}" for t in self.formats.table)
             lines.extend(f"  note: {n}" for n in self.formats.notes)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -609,6 +322,11 @@ class Profile:
 def load_profile(path: PathLike) -> Profile:
     """``Profile.load``: read and validate a profile file (ProfileError naming it on failure)."""
     return Profile.load(path)
+
+
+def _range_text(t: Any) -> str:
+    """A range's bounds, aligned for ``Profile.summary``."""
+    return f"{format_bytes(t.min_bytes):>10} .. {'inf' if t.max_bytes is None else format_bytes(t.max_bytes):<10}"
 
 
 def format_bytes(n: Union[int, float]) -> str:

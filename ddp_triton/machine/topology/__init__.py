@@ -1,29 +1,26 @@
 """The GPU topology: the data model, and where one comes from (NVML, presets, JSON files, the launcher).
 
-- `model`: `Topology` and `GPU`, validated, saved and loaded as JSON, fingerprinted for the profile cache.
+- `model`: `Topology`, validated, saved and loaded as JSON, fingerprinted for the profile cache.
+- `gpu`: `GPU`, one GPU's fields, link rates and architecture.
 - `nvml`: `from_nvml()` reads this machine through NVML (pynvml's API), keeping what answers.
 - `presets`: described machines (DGX H100, ...), `load_preset(name)`.
 - `loader`: `load_topology(spec)`: a preset name, a JSON file, or NVML.
 - `launch_env`: `apply_launch_env` fits a topology to the job as launched (nodes, GPUs per node).
 """
 
+from .gpu import (GPU, NVLINK_GBPS_BY_ARCH, NVLINK_GBPS_BY_NVML_VERSION, TopologyError, cpu_affinity_from_words,
+                  format_cpu_ranges, gpu_arch)
 from .launch_env import apply_launch_env
 from .loader import load_topology
-from .model import (FORMAT_VERSION, GPU, LEGEND, NVLINK_GBPS_BY_ARCH, NVLINK_GBPS_BY_NVML_VERSION, P2P_LABELS,
-                    PCIE_GBPS_PER_LANE, PCIE_LABELS, SOURCES, Topology, TopologyError, build_matrix,
-                    cpu_affinity_from_words, format_cpu_ranges, gpu_arch, nvlink_count)
+from .model import LEGEND, SOURCES, Topology, build_matrix
 from .nvml import from_nvml
 from .presets import PRESETS, load_preset
 
 __all__ = [
-    "FORMAT_VERSION",
     "GPU",
     "LEGEND",
     "NVLINK_GBPS_BY_ARCH",
     "NVLINK_GBPS_BY_NVML_VERSION",
-    "P2P_LABELS",
-    "PCIE_GBPS_PER_LANE",
-    "PCIE_LABELS",
     "PRESETS",
     "SOURCES",
     "Topology",
@@ -36,5 +33,4 @@ __all__ = [
     "gpu_arch",
     "load_preset",
     "load_topology",
-    "nvlink_count",
 ]

@@ -11,7 +11,8 @@ import dataclasses
 import os
 from typing import List, Mapping, Optional, Tuple
 
-from .model import GPU, Topology, _check_float, _is_int
+from .gpu import GPU, _check_float, _is_int
+from .model import Topology
 
 
 def _env_int(env: Mapping[str, str], key: str) -> Optional[int]:

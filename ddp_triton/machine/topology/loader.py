@@ -6,7 +6,8 @@ import os
 from typing import Any, Union
 
 from . import nvml as nvml_reader
-from .model import Topology, TopologyError
+from .gpu import TopologyError
+from .model import Topology
 from .presets import PRESETS, load_preset
 
 

@@ -2,9 +2,8 @@
 
 The cost model and the autotuner need to know whether a ring inside a node runs over NVLink or PCIe, how many
 nodes take part and how fast they are joined. A `Topology` is validated when built, saved and loaded as JSON
-(`Topology.save` / `Topology.load`), and fingerprinted for the profile cache. Where one comes from is elsewhere in
-this package: `nvml.py` reads this machine, `presets.py` describes known ones, `loader.py` picks between them and
-files, and `launch_env.py` fits one to the job as launched.
+(`Topology.save` / `Topology.load`), and fingerprinted for the profile cache. Its GPUs are `gpu.GPU`; where a
+topology comes from (NVML, presets, files, the launcher) is the rest of this package.
 """
 
 from __future__ import annotations
@@ -13,23 +12,19 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 from ...safe_write import OutputError, atomic_write_text
+from .gpu import GPU, TopologyError, _check_fields, _check_float, _check_int, _check_str, gpu_arch, gpu_from_dict
 
 FORMAT_VERSION = 1  # the "format" key of saved JSON files; bump when a field changes meaning
 
 # Labels between two GPUs, as `nvidia-smi topo -m` prints them. NV<n> = n bonded NVLinks.
-PCIE_LABELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _LABEL_RE = re.compile(r"^(X|NV[1-9][0-9]*|PIX|PXB|PHB|NODE|SYS)$")
 _NV_RE = re.compile(r"^NV([1-9][0-9]*)$")
-
-# P2P read status labels, as `nvidia-smi topo -p2p r` prints them.
-P2P_LABELS = ("OK", "CNS", "GNS", "TNS", "NS", "U")
 
 SOURCES = ("nvml", "preset", "file")
 
@@ -42,131 +37,6 @@ LEGEND = """Legend:
   PXB  = Path crosses several PCIe bridges, but no PCIe host bridge
   PIX  = Path crosses at most one PCIe bridge
   NV#  = Path over a bonded set of # NVLinks"""
-
-# Unidirectional GB/s of one PCIe lane per generation: the figures usually quoted (gen1-2 after 8b/10b encoding,
-# gen3+ rounded, ignoring the ~1.5% of 128b/130b), so gen5 x16 = 64 GB/s. Theoretical: DMA reaches ~80-90% of it.
-PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 1.0, 4: 2.0, 5: 4.0, 6: 8.0}
-
-# Unidirectional GB/s of one NVLink, keyed by NVML's nvmlNvlinkVersion_t (NVML_NVLINK_VERSION_*):
-# 1 = NVLink1 (P100, 20), 2 = 2.0 / 3 = 2.2 (V100, 25), 4 = 3.0 / 5 = 3.1 (A100: 12 links = 600 GB/s bidirectional,
-# 25 per direction), 6 = 4.0 (H100/H200: 18 links = 900 GB/s bidirectional), 7 = 5.0 (B200: 18 links = 1.8 TB/s).
-# Older drivers returned the plain major version (3 for A100, 4 for H100): those land on 25 as well.
-NVLINK_GBPS_BY_NVML_VERSION = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
-# When NVML gives no version: per-link rate by architecture (same public figures).
-NVLINK_GBPS_BY_ARCH = {"ampere": 25.0, "hopper": 25.0, "blackwell": 50.0}
-
-_AFFINITY_RE = re.compile(r"^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$")
-
-
-class TopologyError(ValueError):
-    """A topology cannot be built or read: unknown preset, bad file or field, NVML unavailable."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Field checks shared by GPU and Topology. Messages start with the field name so that callers can prefix a path.
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_int(name: str, v: Any, *, optional: bool = False, minimum: Optional[int] = None) -> None:
-    if v is None and optional:
-        return
-    if not _is_int(v):
-        raise TopologyError(f"{name} must be an int{' or null' if optional else ''}, got {v!r}")
-    if minimum is not None and v < minimum:
-        raise TopologyError(f"{name} must be >= {minimum}, got {v!r}")
-
-
-def _check_float(name: str, v: Any) -> Optional[float]:
-    """Accept None, int or float >= 0 and return it as a float, so that JSON and fingerprints stay stable."""
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-        raise TopologyError(f"{name} must be a number >= 0 or null, got {v!r}")
-    return float(v)
-
-
-def _check_str(name: str, v: Any, *, optional: bool = False) -> None:
-    if v is None and optional:
-        return
-    if not isinstance(v, str) or not v:
-        raise TopologyError(f"{name} must be a non-empty string{' or null' if optional else ''}, got {v!r}")
-
-
-@dataclass
-class GPU:
-    """One GPU as NVML or a preset describes it; None = not known."""
-
-    index: int
-    """Local index (NVML's, the same as nvidia-smi's); equals the GPU's position in `Topology.gpus`."""
-    name: str
-    """Marketing name, e.g. "NVIDIA H200"."""
-    pci_bus_id: Optional[str] = None
-    """As NVML writes it: "00000000:00:06.0"."""
-    pcie_gen: Optional[int] = None
-    """PCIe generation of the link (the most device and slot allow)."""
-    pcie_width: Optional[int] = None
-    """PCIe lanes of the link."""
-    memory_bytes: Optional[int] = None
-    """Total device memory, as NVML reports it."""
-    compute_capability: Optional[Tuple[int, int]] = None
-    """CUDA compute capability (major, minor)."""
-    cpu_affinity: Optional[str] = None
-    """CPUs close to the GPU, written like nvidia-smi: "0-15" or "0-31,64-95"."""
-    nvlink_peers: Dict[int, int] = field(default_factory=dict)
-    """Index of another local GPU -> number of NVLinks straight to it."""
-    nvswitch_links: int = 0
-    """NVLinks that end at an NVSwitch."""
-    p2p: Dict[int, str] = field(default_factory=dict)
-    """Index of another local GPU -> P2P read status ("OK", "NS", ... as `nvidia-smi topo -p2p r`), when known."""
-
-    def __post_init__(self) -> None:
-        _check_int("index", self.index, minimum=0)
-        _check_str("name", self.name)
-        _check_str("pci_bus_id", self.pci_bus_id, optional=True)
-        _check_int("pcie_gen", self.pcie_gen, optional=True, minimum=1)
-        _check_int("pcie_width", self.pcie_width, optional=True, minimum=1)
-        _check_int("memory_bytes", self.memory_bytes, optional=True, minimum=0)
-        if self.compute_capability is not None:
-            cc = self.compute_capability
-            if not isinstance(cc, (tuple, list)) or len(cc) != 2 or not all(_is_int(x) and x >= 0 for x in cc):
-                raise TopologyError(f"compute_capability must be two ints [major, minor] or null, got {cc!r}")
-            self.compute_capability = (cc[0], cc[1])
-        if self.cpu_affinity is not None and (
-            not isinstance(self.cpu_affinity, str) or not _AFFINITY_RE.match(self.cpu_affinity)
-        ):
-            raise TopologyError(f"cpu_affinity must look like '0-15' or '0-31,64-95', got {self.cpu_affinity!r}")
-        if not isinstance(self.nvlink_peers, dict):
-            raise TopologyError(f"nvlink_peers must be a mapping of GPU index to link count, got {self.nvlink_peers!r}")
-        for peer, links in self.nvlink_peers.items():
-            _check_int(f"nvlink_peers key {peer!r}", peer, minimum=0)
-            _check_int(f"nvlink_peers[{peer}]", links, minimum=1)
-            if peer == self.index:
-                raise TopologyError(f"nvlink_peers names the GPU itself ({peer})")
-        _check_int("nvswitch_links", self.nvswitch_links, minimum=0)
-        if not isinstance(self.p2p, dict):
-            raise TopologyError(f"p2p must be a mapping of GPU index to status, got {self.p2p!r}")
-        for peer, status in self.p2p.items():
-            _check_int(f"p2p key {peer!r}", peer, minimum=0)
-            if status not in P2P_LABELS:
-                raise TopologyError(f"p2p[{peer}] must be one of {', '.join(P2P_LABELS)}, got {status!r}")
-
-    @property
-    def nvlink_links(self) -> int:
-        """All active NVLinks of this GPU: to peers and to NVSwitches."""
-        return self.nvswitch_links + sum(self.nvlink_peers.values())
-
-    @property
-    def pcie_gbps(self) -> Optional[float]:
-        """Theoretical unidirectional GB/s of the PCIe link (see PCIE_GBPS_PER_LANE); None when unknown."""
-        if self.pcie_gen is None or self.pcie_width is None:
-            return None
-        per_lane = PCIE_GBPS_PER_LANE.get(self.pcie_gen)
-        if per_lane is None:  # a generation newer than the table: each one has doubled the rate so far
-            per_lane = PCIE_GBPS_PER_LANE[6] * 2 ** (self.pcie_gen - 6)
-        return per_lane * self.pcie_width
 
 
 def nvlink_count(gpus: Sequence[GPU], i: int, j: int) -> int:
@@ -194,27 +64,6 @@ def build_matrix(gpus: Sequence[GPU], pcie_label: Callable[[int, int], str] = la
             label = f"NV{links}" if links else pcie_label(i, j)
             matrix[i][j] = matrix[j][i] = label
     return matrix
-
-
-def gpu_arch(gpu: GPU) -> str:
-    cc = gpu.compute_capability
-    if cc is not None:
-        major, minor = cc
-        if major == 8 and minor in (0, 6, 7):  # 8.9 is Ada, not Ampere
-            return "ampere"
-        if major == 9:
-            return "hopper"
-        if major in (10, 11, 12):
-            return "blackwell"
-        return "unknown"
-    name = gpu.name.upper()
-    if re.search(r"\b(G?H100|H200|H800|H20|GH200)\b", name):
-        return "hopper"
-    if re.search(r"\b(A100|A800|A10G?|A30|A40|A16|A2)\b|\bRTX A[0-9]+", name):
-        return "ampere"
-    if re.search(r"\b(G?B100|G?B200|G?B300|RTX PRO [0-9]+ BLACKWELL)\b", name):
-        return "blackwell"
-    return "unknown"
 
 
 @dataclass
@@ -383,18 +232,12 @@ class Topology:
         fmt = d.get("format", FORMAT_VERSION)
         if fmt != FORMAT_VERSION:
             raise TopologyError(f"format must be {FORMAT_VERSION}, got {fmt!r}")
-        known = {f.name for f in dataclasses.fields(cls)} | {"format"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise TopologyError(f"unknown field(s) {', '.join(map(repr, unknown))}")
-        missing = [k for k in ("name", "gpus", "matrix") if k not in d]
-        if missing:
-            raise TopologyError(f"missing field(s) {', '.join(map(repr, missing))}")
+        _check_fields(d, [f.name for f in dataclasses.fields(cls)] + ["format"], ("name", "gpus", "matrix"))
         gpus = d["gpus"]
         if not isinstance(gpus, list):
             raise TopologyError(f"gpus must be a list, got {type(gpus).__name__}")
         kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k not in ("format", "gpus")}
-        kwargs["gpus"] = [_gpu_from_dict(g, pos) for pos, g in enumerate(gpus)]
+        kwargs["gpus"] = [gpu_from_dict(g, pos) for pos, g in enumerate(gpus)]
         return cls(**kwargs)
 
     def to_json(self) -> str:
@@ -479,63 +322,3 @@ class Topology:
             cells = "".join((" X" if c == "X" else c).ljust(width) for c in row)
             lines.append(head.ljust(width) + cells + (gpu.cpu_affinity or "N/A"))
         return "\n".join(lines) + "\n\n" + LEGEND + "\n"
-
-
-def _gpu_from_dict(g: Any, pos: int) -> GPU:
-    where = f"gpus[{pos}]"
-    if not isinstance(g, Mapping):
-        raise TopologyError(f"{where} must be an object, got {type(g).__name__}")
-    known = {f.name for f in dataclasses.fields(GPU)}
-    unknown = sorted(set(g) - known)
-    if unknown:
-        raise TopologyError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
-    missing = [k for k in ("index", "name") if k not in g]
-    if missing:
-        raise TopologyError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
-    kwargs = dict(g)
-    for key in ("nvlink_peers", "p2p"):
-        if key not in kwargs:
-            continue
-        value = kwargs[key]
-        if not isinstance(value, Mapping):
-            raise TopologyError(f"{where}.{key} must be an object keyed by GPU index, got {value!r}")
-        converted = {}
-        for k, v in value.items():
-            try:
-                converted[int(k)] = v
-            except (TypeError, ValueError):
-                raise TopologyError(f"{where}.{key} key {k!r} is not a GPU index") from None
-        kwargs[key] = converted
-    cc = kwargs.get("compute_capability")
-    if isinstance(cc, list):
-        kwargs["compute_capability"] = tuple(cc)
-    try:
-        return GPU(**kwargs)
-    except TopologyError as e:
-        raise TopologyError(f"{where}.{e}") from None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# CPU affinity as nvidia-smi writes it
-
-
-def format_cpu_ranges(cpus: Sequence[int]) -> str:
-    """[0, 1, 2, 3, 8] -> "0-3,8", as nvidia-smi writes CPU affinity."""
-    out: List[str] = []
-    ordered = sorted(set(cpus))
-    k = 0
-    while k < len(ordered):
-        start = end = ordered[k]
-        while k + 1 < len(ordered) and ordered[k + 1] == end + 1:
-            k += 1
-            end = ordered[k]
-        out.append(str(start) if start == end else f"{start}-{end}")
-        k += 1
-    return ",".join(out)
-
-
-def cpu_affinity_from_words(words: Sequence[int], bits_per_word: int = 64) -> Optional[str]:
-    """NVML's affinity bitmask (a list of 64-bit words, CPU 0 = bit 0 of word 0) -> "0-15"; None when empty."""
-    cpus = [w * bits_per_word + b for w, word in enumerate(words) for b in range(bits_per_word) if int(word) >> b & 1]
-    return format_cpu_ranges(cpus) or None
-

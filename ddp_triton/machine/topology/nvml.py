@@ -12,8 +12,9 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...log import describe_error
-from .model import (GPU, NVLINK_GBPS_BY_ARCH, NVLINK_GBPS_BY_NVML_VERSION, Topology, TopologyError, _is_int,
-                    build_matrix, cpu_affinity_from_words, format_cpu_ranges, gpu_arch)
+from .gpu import (GPU, NVLINK_GBPS_BY_ARCH, NVLINK_GBPS_BY_NVML_VERSION, TopologyError, _is_int,
+                  cpu_affinity_from_words, format_cpu_ranges, gpu_arch)
+from .model import Topology, build_matrix
 
 _NVML_ANCESTOR_LABELS = {
     # NVML_TOPOLOGY_INTERNAL means two GPUs on one board (K80-style). For two distinct GPUs nvidia-smi shows
@@ -27,7 +28,6 @@ _NVML_ANCESTOR_LABELS = {
 }
 _NVML_P2P_LABELS = {0: "OK", 1: "CNS", 2: "GNS", 3: "TNS", 4: "NS", 5: "NS", 6: "U"}
 _NVML_NVLINK_DEVICE_TYPE_GPU = 0
-_NVML_NVLINK_DEVICE_TYPE_IBMNPU = 1
 _NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from .model import GPU, Topology, TopologyError, build_matrix
+from .gpu import GPU, TopologyError
+from .model import Topology, build_matrix
 
 MIB = 1024**2
 
@@ -62,40 +63,34 @@ def _nvswitch_node(
     )
 
 
+def _dgx_hopper(name: str, gpu_name: str, memory_bytes: int) -> Topology:
+    """The DGX H100 system, which the DGX H200 shares (see those two)."""
+    return _nvswitch_node(
+        name,
+        gpu_name,
+        links=18,
+        link_gbps=25.0,
+        nics_gbps=8 * 400 / 8,
+        pcie_gen=5,
+        memory_bytes=memory_bytes,
+        cc=(9, 0),
+        affinity=["0-55,112-167", "56-111,168-223"],
+        notes=[],
+    )
+
+
 def dgx_h100() -> Topology:
     # NVIDIA DGX H100 datasheet / user guide: 8 x H100 SXM5 80 GB; NVLink4, 18 links per GPU, 900 GB/s
     # bidirectional per GPU (18 x 50 GB/s, i.e. 25 GB/s per direction per link) through 4 third-generation NVSwitch
     # chips; 8 x ConnectX-7 400 Gb/s for the compute fabric (8 x 400 Gb/s = 400 GB/s per node per direction);
     # PCIe gen5 x16 per GPU; 2 x Xeon Platinum 8480C (56 cores each, 224 threads with SMT).
-    return _nvswitch_node(
-        "dgx-h100",
-        "NVIDIA H100 80GB HBM3",
-        links=18,
-        link_gbps=25.0,
-        nics_gbps=8 * 400 / 8,
-        pcie_gen=5,
-        memory_bytes=H100_80GB_BYTES,
-        cc=(9, 0),
-        affinity=["0-55,112-167", "56-111,168-223"],
-        notes=[],
-    )
+    return _dgx_hopper("dgx-h100", "NVIDIA H100 80GB HBM3", H100_80GB_BYTES)
 
 
 def dgx_h200() -> Topology:
     # NVIDIA DGX H200 datasheet: the DGX H100 system (same 4 NVSwitch chips, NVLink4 18 links x 25 GB/s per
     # direction, 8 x ConnectX-7 400 Gb/s, PCIe gen5, 2 x Xeon 8480C) with 8 x H200 SXM5, 141 GB HBM3e each.
-    return _nvswitch_node(
-        "dgx-h200",
-        "NVIDIA H200",
-        links=18,
-        link_gbps=25.0,
-        nics_gbps=8 * 400 / 8,
-        pcie_gen=5,
-        memory_bytes=H200_141GB_BYTES,
-        cc=(9, 0),
-        affinity=["0-55,112-167", "56-111,168-223"],
-        notes=[],
-    )
+    return _dgx_hopper("dgx-h200", "NVIDIA H200", H200_141GB_BYTES)
 
 
 def dgx_a100() -> Topology:
