@@ -51,7 +51,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,13 +66,14 @@ import triton  # noqa: E402
 
 from bench.common import format_table, json_text  # noqa: E402
 from bench.kernels import gpt2_small_shapes  # noqa: E402
+from bench.listing import Listing, access_fields, full_block_path, parse_ptx, parse_sass, widths  # noqa: E402
 from ddp_triton.kernels import INTERPRETER, blockscale, slices, triton_version  # noqa: E402
 from ddp_triton.kernels.blocks import block_layout  # noqa: E402
 from ddp_triton.kernels.dtypes import BITS_DTYPE, OUT_KIND  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, E4M3, ROW_BYTES, ROW_WORDS  # noqa: E402
 from ddp_triton.kernels.launch import kernel_arguments  # noqa: E402
 from ddp_triton.kernels.worklist import build_plan  # noqa: E402
-from ddp_triton.runtime.bucket import split_average  # noqa: E402
+from ddp_triton.formats import average_factors  # noqa: E402
 
 MiB = 1 << 20
 WORLD = 8  # the world size behind the scales; only whether a scale is 1.0 changes the code
@@ -143,7 +144,7 @@ def launch_of(variant: Variant) -> Tuple[Any, tuple, dict, int]:
     sizes (allocated, never touched)."""
     tensors = _layout_tensors(variant.layout)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=variant.comm)
-    pre, post = split_average(WORLD, variant.comm)
+    pre, post = average_factors(WORLD, variant.comm)
     device = torch.device("cpu")
     if variant.op == "pack":
         plan = build_plan(tensors, flat, True, device)
@@ -309,207 +310,12 @@ def disassemble(cubin: bytes) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Listings as control-flow graphs
-
-
-class Instr(NamedTuple):
-    """One instruction of a listing, reduced to what the path analysis needs."""
-
-    kind: str  # "branch", "exit", "other", or "unknown" (indirect control flow: no analysis)
-    guarded: bool  # under a predicate: a branch may fall through, an exit may not be taken
-    target: Optional[str]  # a branch's label
-    access: Optional[Tuple[str, int]]  # ("load" | "store", bits per thread) for a global memory access
-
-
-@dataclass
-class Listing:
-    """A kernel's instructions in order, and the index each label points at."""
-
-    instrs: List[Instr]
-    labels: Dict[str, int]
-
-
-def _ptx_access(op: str) -> Optional[Tuple[str, int]]:
-    parts = op.split(".")
-    if parts[0] not in ("ld", "st") or "global" not in parts:
-        return None
-    vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
-    bits = next((int(p[1:]) for p in parts if re.fullmatch(r"[bsuf]\d+", p)), None)
-    return ("load" if parts[0] == "ld" else "store", vector * bits) if bits else None
-
-
-def _ptx_instr(statement: str) -> Instr:
-    guard = re.match(r"@!?%?\w+\s+", statement)
-    body = statement[guard.end():] if guard else statement
-    op = body.split()[0]
-    if op.startswith("brx"):
-        return Instr("unknown", bool(guard), None, None)
-    if op.startswith("bra"):
-        return Instr("branch", bool(guard), body.split()[-1], None)
-    if op in ("ret", "exit", "trap"):
-        return Instr("exit", bool(guard), None, None)
-    return Instr("other", bool(guard), None, _ptx_access(op))
-
-
-def parse_ptx(ptx: str) -> Listing:
-    """The first ``.entry`` of a PTX module: its statements (directives and labels aside) and labels."""
-    lines = ptx.splitlines()
-    start = next(i for i, line in enumerate(lines) if ".entry" in line)
-    start = next(i for i in range(start, len(lines)) if lines[i].strip() == "{")
-    listing = Listing([], {})
-    for line in lines[start + 1:]:
-        if line.startswith("}"):
-            break
-        text = line.split("//")[0].strip()
-        label = re.fullmatch(r"(\$?[\w$.]+):", text)
-        if label:
-            listing.labels[label.group(1)] = len(listing.instrs)
-            continue
-        for statement in text.split(";")[:-1]:
-            statement = statement.strip().lstrip("{").rstrip("}").strip()
-            if statement and not statement.startswith("."):
-                listing.instrs.append(_ptx_instr(statement))
-    return listing
-
-
-def _sass_access(op: str) -> Optional[Tuple[str, int]]:
-    parts = op.split(".")
-    if parts[0] not in ("LDG", "STG"):
-        return None
-    bits = 32
-    for part in parts[1:]:
-        if part.isdigit():
-            bits = int(part)
-        elif re.fullmatch(r"[US](8|16)", part):
-            bits = int(part[1:])
-    return ("load" if parts[0] == "LDG" else "store", bits)
-
-
-def _sass_instr(text: str) -> Optional[Instr]:
-    guard = re.match(r"@(!?)(U?P\w+)\s+", text)
-    if guard and guard.group(1) == "!" and guard.group(2) == "PT":
-        return None  # never executes
-    guarded = bool(guard) and guard.group(2) != "PT"
-    body = text[guard.end():] if guard else text
-    op = body.split()[0]
-    base = op.split(".")[0]
-    if base == "BRA":
-        target = re.search(r"`\(([^)]+)\)", body)
-        return Instr("branch", guarded, target.group(1), None) if target else Instr("unknown", guarded, None, None)
-    if base == "EXIT":
-        return Instr("exit", guarded, None, None)
-    if base in ("BRX", "JMX", "JMP", "CALL", "RET"):
-        return Instr("unknown", guarded, None, None)
-    return Instr("other", guarded, None, _sass_access(op))
-
-
-def parse_sass(sass: str) -> Listing:
-    """One kernel's SASS as ``nvdisasm -c`` prints it: instructions in address order and their labels."""
-    listing = Listing([], {})
-    for line in sass.splitlines():
-        label = re.match(r"^\s*(\.L_x_\d+):", line)
-        if label:
-            listing.labels[label.group(1)] = len(listing.instrs)
-            continue
-        code = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if code:
-            instr = _sass_instr(code.group(1))
-            if instr is not None:
-                listing.instrs.append(instr)
-    return listing
-
-
-def _successors(listing: Listing, i: int) -> Tuple[List[int], bool]:
-    """(instructions that may run after instruction i, whether the thread may end at it)."""
-    instr = listing.instrs[i]
-    if instr.kind == "branch":
-        following = [listing.labels[instr.target]] + ([i + 1] if instr.guarded else [])
-    elif instr.kind == "exit":
-        following = [i + 1] if instr.guarded else []
-    else:
-        following = [i + 1]
-    inside = [j for j in following if j < len(listing.instrs)]
-    return inside, instr.kind == "exit" or len(inside) < len(following)
-
-
-def _reachable(listing: Listing) -> Optional[List[int]]:
-    """Indices reachable from the entry, in order; None where control flow loops or jumps indirectly."""
-    seen, stack = set(), [0] if listing.instrs else []
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        instr = listing.instrs[i]
-        if instr.kind == "unknown" or (instr.kind == "branch" and instr.target not in listing.labels):
-            return None  # indirect or unresolved control flow
-        seen.add(i)
-        following, _ = _successors(listing, i)
-        if any(j <= i for j in following):
-            return None  # a backward edge: a loop, which a static count cannot weigh
-        stack.extend(following)
-    return sorted(seen)
-
-
-def full_block_path(listing: Listing) -> Optional[List[int]]:
-    """The entry-to-exit path a full block takes: most global stores at the kernel's widest store width, then
-    fewest instructions. Indices of its instructions in order, or None (loops, indirect jumps, no code)."""
-    reachable = _reachable(listing)
-    if not reachable:
-        return None
-    accesses = [listing.instrs[i].access for i in reachable]
-    widest = max((a[1] for a in accesses if a and a[0] == "store"), default=0)
-    best: Dict[int, Tuple[Tuple[int, int], Optional[int]]] = {}
-    for i in reversed(reachable):  # every edge goes forward, so successors are done first
-        access = listing.instrs[i].access
-        here = (-1 if access == ("store", widest) else 0, 1)
-        following, may_end = _successors(listing, i)
-        options = [(best[j][0], j) for j in following] + ([((0, 0), None)] if may_end else [])
-        cost, choice = min(options, key=lambda option: option[0])
-        best[i] = ((here[0] + cost[0], here[1] + cost[1]), choice)
-    path, i = [], 0
-    while i is not None:
-        path.append(i)
-        i = best[i][1]
-    return path
-
-
-def _widths(listing: Listing, indices: Sequence[int], kind: str) -> List[int]:
-    return sorted({listing.instrs[i].access[1] for i in indices
-                   if listing.instrs[i].access and listing.instrs[i].access[0] == kind})
-
-
-def _counts(listing: Listing, indices: Sequence[int], kind: str) -> Dict[str, int]:
-    counts: Dict[str, int] = {}
-    for i in indices:
-        access = listing.instrs[i].access
-        if access and access[0] == kind:
-            counts[str(access[1])] = counts.get(str(access[1]), 0) + 1
-    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Reports
 
 
 def _per_element(listing: Optional[Listing], elements_per_thread: float) -> Optional[float]:
     path = full_block_path(listing) if listing is not None else None
     return round(len(path) / elements_per_thread, 2) if path else None
-
-
-def access_fields(ptx: str) -> Dict[str, Any]:
-    """Global access widths of the whole kernel, counts on the full-block path, widths off it (the paths partial
-    and misaligned blocks take), all from the PTX."""
-    listing = parse_ptx(ptx)
-    path = full_block_path(listing) or []
-    reachable = _reachable(listing) or range(len(listing.instrs))
-    others = sorted(set(reachable) - set(path))
-    return {
-        "load_widths": _widths(listing, reachable, "load"),
-        "store_widths": _widths(listing, reachable, "store"),
-        "full_block": {"loads": _counts(listing, path, "load"), "stores": _counts(listing, path, "store")},
-        "other_paths": {"load_widths": _widths(listing, others, "load"),
-                        "store_widths": _widths(listing, others, "store")},
-    }
 
 
 def report(variant: Variant, arch: int = 90) -> Dict[str, Any]:
@@ -623,7 +429,7 @@ def wire_report(name: str, kernel: Any, args: tuple, constexprs: dict, num_warps
     return {"name": name, "kernel": kernel.__name__, "arch": arch, "triton": triton.__version__,
             "num_warps": num_warps, "fp_fusion": options.get("enable_fp_fusion", True),
             **resource_usage(compiled.asm["cubin"]), "spill_bytes": spill_bytes(ptx, arch),
-            "load_widths": _widths(listing, everything, "load"), "store_widths": _widths(listing, everything, "store"),
+            "load_widths": widths(listing, everything, "load"), "store_widths": widths(listing, everything, "store"),
             "fma": len(_FMA.findall(ptx))}
 
 

@@ -133,7 +133,7 @@ def cases(hook_fn: Callable[[], Any]) -> List[Tuple[str, str, Callable[[], Any],
     ]
     rows += [(key, what + (" (+ Triton's launcher, stubbed whole)" if key == "fsdp_fp8_plain" else ""), fn, 2000)
              for key, what, fn, _ in fsdp_group_calls(CPU)]
-    rows.append(("hook_bucket", "hook front end per bucket: state.bucket_comm + pack", hook_fn, 5000))
+    rows.append(("hook_bucket", "hook front end per bucket: its plan + pack", hook_fn, 5000))
     return rows + [
         ("pack_1_first", "pack, 1 tensor, a layout's first call", _first_call(lambda: pack([src], one_out, SCALE)),
          500),
@@ -149,10 +149,17 @@ def hook_front_end() -> Callable[[], Any]:
     state = CommState(profile=None)  # bfloat16 on the wire: a pack kernel per bucket
     buffer = torch.randn(1 << 16)
     bucket = SimpleNamespace(buffer=lambda: buffer, index=lambda: 0)  # what the hook reads of DDP's GradBucket
-    entry = state.bucket_comm(bucket)
-    stub_bound(entry.pack)
-    stub_bound(entry.unpack)
-    return lambda: state.bucket_comm(bucket).pack()
+    plan = state.plan_for(buffer, bucket)
+    stub_bound(plan.exchange.stages[0].compute)
+    stub_bound(plan.exchange.finish)
+
+    def front_end() -> None:  # the hook's lookup of the bucket's plan, then its pack
+        found = state.plans.get(id(bucket.buffer()))
+        if found is None or not found.valid:
+            found = state.plan_for(buffer, bucket)
+        found.exchange.stages[0].compute()
+
+    return front_end
 
 
 def measure(rows: List[Tuple[str, str, Callable[[], Any], int]], rounds: int, scale_calls: float) -> Dict[str, float]:

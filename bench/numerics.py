@@ -16,7 +16,7 @@ Schemes (the averaged gradient against the float64 mean of the same float32 grad
   then ``.div_(N)`` in bfloat16 (a second rounding, exact when N is a power of two), then an all-reduce sum in bf16.
 - ``bf16``: this project's bf16: ``g * (1/N)`` in float32, rounded once to bf16, all-reduce sum in bf16.
 - ``fp16_split``: this project's fp16: ``g * pre`` rounded to fp16 (``pre`` a power of two near 1/sqrt(N),
-  ``runtime.state.split_average``), all-reduce sum in fp16, times ``post`` in float32.
+  ``formats.average_factors``), all-reduce sum in fp16, times ``post`` in float32.
 - ``bf16+fp32sum``: ``g * (1/N)`` rounded to bf16, summed in float32 in rank order, rounded once to bf16
   (the all-to-all / sum / all-gather exchange).
 - ``two-level ...`` (``hierarchical=True``), nodes of ``RANKS_PER_NODE`` = 8 ranks: ``g * (1/N)`` summed in float32
@@ -69,11 +69,11 @@ if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_tr
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, pyplot, write_json  # noqa: E402
+from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, progress, pyplot, write_json  # noqa: E402
 from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
-from ddp_triton.runtime.bucket import split_average  # noqa: E402
+from ddp_triton.formats import average_factors  # noqa: E402
 from ddp_triton.runtime.two_level import part_length, pieces_within  # noqa: E402
 
 
@@ -185,7 +185,7 @@ def torch_bf16(x: torch.Tensor) -> torch.Tensor:
 
 def ours_16bit(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     """The hook's all-reduce path: pack (x * pre in float32, one rounding), ring sum in the wire dtype, unpack."""
-    pre, post = split_average(x.shape[0], wire)
+    pre, post = average_factors(x.shape[0], wire)
     total = ring_sum((x * pre).to(wire)).float()
     return total if post == 1.0 else total * post
 
@@ -514,15 +514,14 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             per_seed[str(seed)][str(n)] = {s: {k: _sig(v) for k, v in e.items()}
                                            for s, e in one_step(seed_grads, n).items()}
-            print(f"seed {seed}, N={n}: one step of every scheme in {time.perf_counter() - t0:.1f} s", flush=True)
+            progress(f"seed {seed}, N={n}: one step of every scheme in {time.perf_counter() - t0:.1f} s")
     small = min(grads.tensors, key=lambda t: t[2])[0]
     one = {str(n): {s: _over_seeds([per_seed[k][str(n)][s] for k in per_seed]) for s in SCHEMES} for n in ns}
     runs = {}
     for n in ef_ns:
         t0 = time.perf_counter()
         runs[str(n)] = {k: [_sig(v) for v in c] for k, c in running_sum(grads, n, steps).items()}
-        print(f"N={n}: {steps} steps of FP8 with and without error feedback in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        progress(f"N={n}: {steps} steps of FP8 with and without error feedback in {time.perf_counter() - t0:.1f} s")
 
     headers = ["scheme"] + [f"N={n}" for n in ns]
     table_all = format_table(headers, [[s] + [one[str(n)][s]["all"] for n in ns] for s in SCHEMES])

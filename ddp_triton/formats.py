@@ -20,6 +20,7 @@ profile is made, never per step. Importing this module loads neither torch nor T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -225,6 +226,28 @@ class WireFormat:
             raise ValueError(f"error_feedback applies to FP8 wire formats; {comm_dtype} rounds each value once to "
                              "nearest, with nothing worth feeding back")
         return cls(wire, wire != "fp32" and accumulate_dtype is not None, False, hierarchical)
+
+
+def average_factors(n_ranks: int, comm_dtype: Any, divide_by: Optional[float] = None) -> Tuple[float, float]:
+    """(pre, post): the factors applied before the one rounding to ``comm_dtype`` and after the sum, together a
+    division by ``divide_by`` (default: the average over ``n_ranks``). The one place the division is split, for
+    DDP's buckets, FSDP's reduce-scatter and the per-parameter path alike.
+
+    bfloat16 and float32 have float32's exponent range: all of it goes before the sum, in float32 before the single
+    rounding, and nothing can overflow in the sum. float16 tops out at 65504 and loses precision below 6e-5:
+    dividing by the whole world size first would push small gradients into subnormals, not dividing would let a sum
+    over many ranks overflow. So float16 splits it, as a power of two near 1/sqrt(N) before: the sum grows at most
+    about sqrt(N) times and gradients shrink only about sqrt(N) times before the wire (32x each at N = 1024), and a
+    power of two scales exactly, so at a power-of-two world size both factors are exact and the result is what
+    ``fp16_compress_hook`` gives (0.25 stays 0.25).
+    """
+    divide_by = float(n_ranks) if divide_by is None else divide_by
+    if divide_by == 1.0:  # a plain sum
+        return 1.0, 1.0
+    if str(comm_dtype) == "torch.float16":
+        pre = 2.0 ** -round(math.log2(n_ranks) / 2)
+        return pre, 1.0 / (divide_by * pre)
+    return 1.0 / divide_by, 1.0
 
 
 def canonical_name(name: str) -> str:

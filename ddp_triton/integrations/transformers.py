@@ -158,8 +158,9 @@ class TritonCommCallback(TrainerCallback):
                 self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
             except Exception as e:  # unreadable, or saved by another run: the message says which
                 problem = f"{path}: {e}"
-        outcomes: List[Any] = [None] * dist.get_world_size(self.state.group)
-        dist.all_gather_object(outcomes, (rank, found, problem), group=self.state.group)
+        group = self.state.averaging_group()
+        outcomes: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, (rank, found, problem), group=group)
         problems = [p for _, _, p in outcomes if p is not None]
         if problems:
             raise ValueError(f"TritonCommCallback cannot restore the residuals of checkpoint {folder}: {problems[0]}")

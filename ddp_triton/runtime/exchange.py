@@ -1,14 +1,9 @@
-"""Sharded exchanges: a bucket averaged by all-to-all, a local float32 sum and all-gather, instead of one all-reduce.
+"""The exchange queue: a bucket's exchange as stages, and the one order in which a state issues its collectives.
 
-Used by the wire formats whose sum must not be taken in the wire dtype (``formats.py``): 16 bits with float32 sums,
-and block-scaled FP8. Per bucket: a kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands
-each rank the N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard,
-and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's. The three
-kernels are bound once to the bucket's buffers (``kernels.bind_*``: direct launches on CUDA, no checks per step).
-
-An exchange is a list of stages (``StagedExchange``), each a computation and an asynchronous collective: the
-sharded exchange has two (pack + all-to-all, sum + all-gather), a two-level one (``two_level.py``) a reduce-scatter
-inside the node, the node-crossing stages and an all-gather inside the node.
+An exchange is a list of stages (``StagedExchange``), each a computation and an asynchronous collective, and a last
+computation (``finish``, writing DDP's bucket); each wire format's exchange is built in ``wire_exchanges.py``: one
+all-reduce, the sharded exchange's two stages (pack + all-to-all, sum + all-gather), or the two-level one's
+(``two_level.py``: a reduce-scatter inside the node, the node-crossing stages, an all-gather inside the node).
 
 Every rank must issue the collectives of a group in one order, and a gloo future's callback runs on gloo's own
 thread whenever the work finishes. The ``ExchangeQueue`` keeps one rule: each group's collectives are issued in the
@@ -36,21 +31,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Any, Callable, Deque, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from .. import kernels
-from ..formats import WireFormat
-from ..kernels.blocks import BlockLayout
-from ..kernels.fp8 import ROW_BYTES
 from .collective_errors import HookResult, collective_error, completed, waited
-from .prepared_calls import PreparedCalls
-from .residuals import LayoutResiduals
-
-# torch >= 2.12 names the all-gather into one tensor all_gather_single; older releases all_gather_into_tensor.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Stage(NamedTuple):
@@ -88,25 +73,6 @@ class StagedExchange:
     def group(self) -> Any:
         """The group of the first collective."""
         return self.stages[0].group
-
-
-class ShardedExchange(StagedExchange):
-    """All-to-all, a computation on this rank's shard, all-gather: what the formats summed in float32 run."""
-
-    def __init__(self, buffer: torch.Tensor, group: Any, send: torch.Tensor, recv: torch.Tensor,
-                 shard: torch.Tensor, prepare: Callable[[], None], reduce: Callable[[], None],
-                 finish: Callable[[], None]) -> None:
-        stages = (Stage("pack", prepare, "all_to_all",
-                        lambda: dist.all_to_all_single(recv, send, group=group, async_op=True), group),
-                  Stage("reduce", reduce, "all_gather",
-                        lambda: all_gather_into(send, shard, group=group, async_op=True), group))
-        super().__init__(buffer, stages, finish, (send, recv, shard))
-        self.send, self.recv, self.shard = send, recv, shard
-        self.prepare, self.reduce = prepare, reduce
-
-    def collective_bytes(self) -> Tuple[int, int]:
-        """Bytes handed to the all-to-all (the whole send buffer) and to the all-gather (this rank's shard)."""
-        return self.send.numel() * self.send.element_size(), self.shard.numel() * self.shard.element_size()
 
 
 class _Run:
@@ -322,89 +288,3 @@ class ExchangeQueue:
     def _poke_if_wanted(self) -> None:
         if self._wanted:
             self._poke()
-
-
-def all_reduce_options(op: Any) -> Any:
-    """The options of an asynchronous all-reduce with ``op``, for a process group's own ``allreduce`` call."""
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):  # torch >= 2.7: what dist.all_reduce(async_op=True) sets
-        opts.asyncOp = True
-    return opts
-
-
-def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: Any, op: Any,
-                        pack: Callable[[], None], unpack: Callable[[], None]) -> StagedExchange:
-    """One all-reduce as a one-stage exchange (pack, all-reduce of ``wire_buffer`` with ``op``, unpack), for a state
-    whose buckets mix formats: through the queue, it keeps its place in its group's one order."""
-    opts = all_reduce_options(op)
-    tensors = [wire_buffer]
-    stage = Stage("pack", pack, "all_reduce", lambda: group.allreduce(tensors, opts), group)
-    return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
-
-
-def _kernel(prepared: Optional[PreparedCalls], what: tuple, bind: Callable[..., Callable[[], None]],
-            prepare: Callable[..., kernels.PreparedCall], *tensors: Optional[torch.Tensor]) -> Callable[[], None]:
-    """One kernel of an exchange: ``bind(*tensors)``, a launch bound to the exchange's buffers (a DDP bucket keeps
-    them); or, with ``prepared`` (an FSDP group, whose buffers are new at every step), its call ``what`` kept
-    prepared there (``prepare``) and run on these."""
-    if prepared is None:
-        return bind(*tensors)
-    return prepared.later(what, prepare, *tensors)
-
-
-def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, world_size: int,
-                         pre_scale: float, post_scale: float, stats: Optional[torch.Tensor],
-                         prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
-    """16 bits on the wire, summed in float32: pack, all-to-all, sum of slices, all-gather, unpack. With
-    ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
-    if prepared is not None and stats is not None:
-        raise ValueError("an exchange through prepared calls takes no statistics")
-    n, dtype = buffer.numel(), wire.comm_dtype
-    padded = -(-n // world_size) * world_size  # whole shards: the all-to-all splits the buffer evenly
-    send = torch.zeros(padded, dtype=dtype, device=buffer.device)  # the tail stays zero
-    recv = torch.empty_like(send)
-    shard = torch.empty(padded // world_size, dtype=dtype, device=buffer.device)
-    # NaN bits are the arithmetic's (canonical_nan=False): see bucket.py
-    pack = _kernel(prepared, ("pack", pre_scale, "any NaN"),
-                   lambda t, o: kernels.bind_pack([t], o, pre_scale, canonical_nan=False),
-                   lambda t, o: kernels.prepare_pack(t, o, pre_scale, canonical_nan=False), buffer, send[:n])
-    add = _kernel(prepared, ("sum_slices", world_size, "any NaN"),
-                  lambda r, o: kernels.bind_sum_slices(r, world_size, o, canonical_nan=False),
-                  lambda r, o: kernels.prepare_sum_slices(r, world_size, o, canonical_nan=False), recv, shard)
-    unpack = _kernel(prepared, ("unpack", post_scale, "any NaN"),
-                     lambda f, t: kernels.bind_unpack(f, [t], post_scale, stats=stats, canonical_nan=False),
-                     lambda f, t: kernels.prepare_unpack(f, t, post_scale, canonical_nan=False), send[:n], buffer)
-    return ShardedExchange(buffer, group, send, recv, shard, pack, add, unpack)
-
-
-def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
-                       pre_scale: float, residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor],
-                       prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
-    """Block-scaled FP8: quantize (with error feedback), all-to-all, float32 sum and requantize, all-gather,
-    dequantize. With ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
-    if prepared is not None and stats is not None:
-        raise ValueError("an exchange through prepared calls takes no statistics")
-    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
-    recv = torch.empty_like(send)
-    shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
-    fmt, sizes = wire.comm_dtype, layout.sizes
-    first = residuals.first if residuals is not None else None
-    second = residuals.second if residuals is not None else None
-    quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
-                       lambda b, rows, left: kernels.bind_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
-                                                                          residual=left),
-                       lambda b, rows, left: kernels.prepare_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
-                                                                             residual=left),
-                       buffer, send, first)
-    reduce = _kernel(prepared, ("reduce", world_size, fmt),
-                     lambda r, o, left: kernels.bind_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
-                     lambda r, o, left: kernels.prepare_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
-                     recv, shard, second)
-    dequantize = _kernel(prepared, ("dequantize", sizes, layout.n_shards, fmt),
-                         lambda rows, b: kernels.bind_dequantize_blocks(rows, layout, b, fmt=fmt, stats=stats,
-                                                                        canonical_nan=False),
-                         lambda rows, b: kernels.prepare_dequantize_blocks(rows, layout, b, fmt=fmt,
-                                                                           canonical_nan=False),
-                         send, buffer)
-    return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)

@@ -12,7 +12,7 @@ sends the gradients in a wire format (``ddp_triton/formats.py``, the same option
   again (no all-gather follows, as in DDP), so each element is rounded once on the wire whatever N is, where a
   16-bit reduce-scatter (``reduce_dtype=torch.bfloat16``) rounds at every hop.
 - ``bfloat16`` / ``float16`` alone: the reduce-scatter in the 16-bit dtype (what ``reduce_dtype`` does, with the
-  scaling split as ``bucket.split_average`` splits it).
+  scaling split as ``formats.average_factors`` splits it).
 - block-scaled FP8 (``torch.float8_e4m3fn`` / ``float8_e5m2``, error feedback on by default): each rank quantizes its
   input times the average's factor in blocks of 128 that follow each parameter's chunk in each row (a block never
   holds two parameters), the all-to-all gives rank r the N copies of its row, and it dequantizes and adds them in
@@ -63,12 +63,11 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import WireFormat
+from ..formats import WireFormat, average_factors
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
-from .bucket import split_average
 from .collective_errors import run_collective
-from .exchange import ShardedExchange, block_fp8_exchange, float32_sum_exchange
+from .wire_exchanges import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 
@@ -129,7 +128,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if wire.block_scaled:
             self._block_fp8(output_tensor, input_tensor, group, n, 1.0 / self._divide_factor(op, n))
             return None
-        pre, post = scale_factors(wire.comm_dtype, n, self._divide_factor(op, n))
+        pre, post = average_factors(n, wire.comm_dtype, self._divide_factor(op, n))
         send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
         run = self.kernels.run
         run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), input_tensor, send)
@@ -205,18 +204,6 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
                          "divides by the module's gradient_divide_factor (PREMUL_SUM)")
 
 
-def scale_factors(comm_dtype: torch.dtype, n: int, divide_by: float) -> "tuple[float, float]":
-    """(pre, post): the input is multiplied by ``pre`` before its one rounding to ``comm_dtype``, the sum by
-    ``post``, together a division by ``divide_by``. bfloat16 takes it all before (its range is float32's); float16
-    a power of two near 1/sqrt(n) before, the rest after, as ``bucket.split_average`` splits the average."""
-    if divide_by == 1.0:  # a plain sum (FSDP scaled the input itself, if at all)
-        return 1.0, 1.0
-    if comm_dtype == torch.float16:
-        pre = split_average(n, comm_dtype)[0]
-        return pre, 1.0 / (divide_by * pre)
-    return 1.0 / divide_by, 1.0
-
-
 class ReplicaAverage:
     """FSDP2's all-reduce hook: each FSDP group's reduce-scattered shard averaged over the replicas in ``wire``.
 
@@ -250,7 +237,7 @@ class ReplicaAverage:
             run_collective("all_reduce", self.subject, dist.all_reduce, flat, group=self.group)
             flat.mul_(1.0 / r)
             return
-        pre, post = split_average(r, wire.comm_dtype)
+        pre, post = average_factors(r, wire.comm_dtype)
         if wire.block_scaled:
             _run(self._fp8_exchange(flat), self.subject)
             return

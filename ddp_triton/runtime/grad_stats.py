@@ -181,7 +181,7 @@ def note_bucket(comm: Any, last: bool, pass_entries: Callable[[], List[Any]]) ->
     bucket arrange for the pass's end to be noted after DDP's, on the buckets ``pass_entries()`` gives then."""
     comm.coverage.note_before()
     if last:
-        pass_id = comm.last_used
+        pass_id = comm.record.last_used
         _after_ddp(lambda: _note_pass_end(pass_entries(), pass_id))
 
 
@@ -202,7 +202,7 @@ def _after_ddp(callback: Any) -> None:
 
 def _note_pass_end(entries: List[Any], pass_id: int) -> None:
     for e in entries:
-        if e.last_used == pass_id and e.coverage is not None:
+        if e.record.last_used == pass_id and e.coverage is not None:
             e.coverage.note_end(pass_id)
 
 

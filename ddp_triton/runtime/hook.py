@@ -8,7 +8,7 @@ Drop-in for torch's ``allreduce_hook`` and ``bf16_compress_hook``::
 Per bucket: one kernel scales by 1/world_size in float32 and rounds once to the comm dtype, the all-reduce sums,
 and, on the all-reduce's completion, one kernel casts back into DDP's bucket buffer (with
 ``gradient_as_bucket_view=True`` that is the gradients' own storage). Buffers and launches are bound once per
-bucket and reused (``bucket.py``); nothing on this path synchronises with the host or loops over parameters,
+bucket and reused (a Plan, ``plan.py``); nothing on this path synchronises with the host or loops over parameters,
 except with ``grad_stats=True``: noting which gradients the statistics cover loops over the bucket's parameters
 once per pass on the host (``grad_stats.py``).
 
@@ -19,15 +19,16 @@ place with plain torch ops and a functional all-reduce, to the same bits (see ``
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations with
 # dist.GradBucket and torch.futures.Future[torch.Tensor] as objects, and string annotations fail that check.
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..formats import average_factors
 from ..kernels import SUPPORTED_DTYPES
-from .bucket import split_average
+from ..log import logger
 from .grad_stats import note_bucket
-from .state import CommState, default_state
+from .state import CommState
 from .telemetry import watch as watch_bucket
 
 
@@ -37,22 +38,26 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     ``state`` is a CommState, or, as with torch's own hooks, None (the default group) or a process group.
     ``bucket`` may also be the ``(grad, param)`` pair DDP's Python reducer passes (see ``average_grad``).
     Everything but the pass count, the statistics' note and the profiler check was decided when the bucket bound
-    (``bucket.py``).
+    (its Plan, ``plan.py``).
     """
     if isinstance(bucket, tuple):
         return average_grad(state, bucket[0])
     if not isinstance(state, CommState):
         state = default_state(state)
-    comm = state.bucket_comm(bucket)
+    buffer = bucket.buffer()
+    plan = state.plans.get(id(buffer))
+    if plan is None or not plan.valid:  # new, or its residuals moved to another layout: bind (again)
+        plan = state.plan_for(buffer, bucket)
+    plan.record.last_used = state.passes
     last = bucket.is_last()
     if last:
         state.count_pass()
     if state.grad_stats:
-        note_bucket(comm, last, state.latest_pass)  # which gradients the pass's statistics cover (grad_stats.py)
-    watch = watch_bucket(state.timing, comm)  # None unless a profiler records or state.timing (telemetry.py)
+        note_bucket(plan, last, state.latest_pass)  # which gradients the pass's statistics cover (grad_stats.py)
+    watch = watch_bucket(state.timing, plan)  # None unless a profiler records or state.timing (telemetry.py)
     if watch is None:
-        return comm.start(last)
-    return comm.start_watched(last, watch)
+        return plan.run(last)
+    return plan.run_watched(last, watch)
 
 
 def average_grad(state: Any, grad: torch.Tensor) -> Any:
@@ -88,7 +93,7 @@ def average_grad(state: Any, grad: torch.Tensor) -> Any:
     # module that registers its own ops on import); the bucket path never loads it.
     from torch.distributed import _functional_collectives as fcol
 
-    pre, post = split_average(group.size(), comm_dtype)
+    pre, post = average_factors(group.size(), comm_dtype)
     summed = fcol.all_reduce((grad.float() * pre).to(comm_dtype), "sum", group)
     grad.copy_(summed if post == 1.0 else summed.float() * post)
     if torch.compiler.is_compiling():
@@ -147,4 +152,18 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
         state.bind(state_options["process_group"], state_options.get("device"))
     state.name_parameters(ddp_model.module)
     ddp_model.register_comm_hook(state, triton_hook)
+    return state
+
+
+_default_states: Dict[int, CommState] = {}
+
+
+def default_state(process_group: Any = None) -> CommState:
+    """The state for a hook registered, as torch's hooks allow, with ``None`` (the default group) or a process group
+    as its state: bfloat16 on the wire, NCCL's own algorithm choice. One per group, made at its first bucket."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    state = _default_states.get(id(group))
+    if state is None:
+        state = _default_states[id(group)] = CommState(process_group=group, profile=None)
+        logger.debug("triton_hook: a state for process group %s, bfloat16", id(group))
     return state

@@ -70,6 +70,8 @@ class BucketRecord:
     """Collectives issued for the bucket in one pass."""
     passes: int = 0
     """Passes the bucket was sent in (counted as its collectives are issued)."""
+    last_used: int = 0
+    """The state's backward-pass count when the bucket was last sent (stale buckets are dropped)."""
     marks: Dict[str, list] = field(default_factory=dict, repr=False)
     """Timing: phase -> [start, end], CUDA events or perf_counter seconds, overwritten every pass."""
     clock: Optional[str] = None

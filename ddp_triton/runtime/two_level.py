@@ -28,8 +28,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..formats import WireFormat
 from ..kernels.fp8 import BLOCK_ELEMENTS
-from .exchange import (ShardedExchange, Stage, StagedExchange, all_gather_into, block_fp8_exchange,
-                       float32_sum_exchange)
+from .exchange import Stage, StagedExchange
+from .wire_exchanges import ShardedExchange, all_gather_into, block_fp8_exchange, float32_sum_exchange
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import IN_NODE, wire_name

@@ -1,7 +1,7 @@
 """Timing a bucket's whole exchange in each wire format, through the hook's own path, per bucket size.
 
 ``time_formats``: for each bucket size (gradient bytes, float32), a state of each format binds a bucket of that many
-gradients exactly as the hook binds DDP's (``CommState.bucket_comm``) and runs it ``warmup`` times; then rounds, each
+gradients exactly as the hook binds DDP's (``CommState.plan_for``) and runs it ``warmup`` times; then rounds, each
 timing one exchange per format in turn (the order rotates from round to round, so drift and bursts of load fall on
 every format alike), from the pack to the averaged bucket (the collectives, the passes and the host work between
 them: what a bucket costs a step). After each round the ranks take the slowest rank's time of each exchange, and
@@ -77,7 +77,7 @@ def _time_once(comm: Any, on_cuda: bool) -> float:
     if on_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    comm.start(True).wait()
+    comm.run(True).wait()
     if on_cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e6
@@ -131,16 +131,16 @@ def time_formats(sizes: Sequence[int], formats: Sequence[str], warmup: int = 2, 
         for name in names:
             bucket = _Bucket(values.clone())
             buckets.append(bucket)
-            comms[name] = states[name].bucket_comm(bucket)
+            comms[name] = states[name].plan_for(bucket.buffer(), bucket)
             for _ in range(plan["warmup"]):
-                comms[name].start(True).wait()
+                comms[name].run(True).wait()
         samples, spent = _rounds(comms, names, plan, device, t0, deadline)
         for name in names:
             stats = median_interval(samples[name])
             model = None if fabric is None else cm.bucket_time_us(fabric, n, name, host)
             rows.append({"bytes": size, "format": name, "time_us": stats.median_us,
                          "interval_us": [stats.lo_us, stats.hi_us], "samples": stats.samples, "model_us": model})
-            states[name].buckets.clear()  # this bucket's buffers and residuals go; the next size binds its own
+            states[name].plans.clear()  # this bucket's buffers and residuals go; the next size binds its own
             states[name].residuals.layouts.clear()
         for bucket in buckets[-len(names):]:
             bucket._buffer = values  # the clone's memory back

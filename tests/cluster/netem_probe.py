@@ -133,7 +133,8 @@ def two_level() -> None:
     nodes = []
     for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.bfloat16)):
         state = check_against_reference(rank, world_size, options, 0.004)
-        nodes.append([state.nodes.n_nodes, state.nodes.local_size, state.nodes.node_index, state.nodes.local_index])
+        groups = state.context.nodes
+        nodes.append([groups.n_nodes, groups.local_size, groups.node_index, groups.local_index])
     report(rank=rank, same_bits=True, nodes=nodes, wire=state.wire.name)
     leave(dist)
 

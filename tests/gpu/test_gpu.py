@@ -4,6 +4,7 @@ size 1.
 Tier: GPU (skipped without CUDA). The same kernels' bits in Triton's interpreter are in test_kernels.py.
 """
 
+import dataclasses
 import pytest
 import torch
 import torch.nn as nn
@@ -48,8 +49,9 @@ def test_triton_hook_over_nccl(nccl_world_of_one, gabv):
     for p, q in zip(model.parameters(), reference.parameters()):
         # world size 1: the hook's result is the gradient rounded once to bfloat16
         assert_same_bits(p.grad, q.grad.to(torch.bfloat16).float())
-    assert len(state.buckets) >= 2
-    assert all(e.pack._direct is not None and e.unpack._direct is not None for e in state.buckets.values())
+    assert len(state.plans) >= 2
+    assert all(e.exchange.stages[0].compute._direct is not None and e.exchange.finish._direct is not None
+               for e in state.plans.values())
 
 
 def test_triton_hook_scaled_kernels_over_nccl(nccl_world_of_one):
@@ -60,12 +62,12 @@ def test_triton_hook_scaled_kernels_over_nccl(nccl_world_of_one):
     reference.load_state_dict(model.state_dict())
     ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
     state = ddp_triton.register(ddp, comm_dtype=torch.float16, profile=None)
-    state.pre_scale, state.post_scale = 0.25, 4.0  # as the float16 split would be at world size 16
+    state.context = dataclasses.replace(state.context, world_size=16)  # the float16 split: 0.25 before, 0.25 after
     x = torch.randn(32, 64, device="cuda")
     ddp(x).square().mean().backward()
     reference(x).square().mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
-        assert_same_bits(p.grad, q.grad.mul(0.25).to(torch.float16).float().mul(4.0))
+        assert_same_bits(p.grad, q.grad.mul(0.25).to(torch.float16).float().mul(0.25))
 
 
 def test_plain_pack_reuses_its_direct_launch():

@@ -72,12 +72,12 @@ def test_captured_step_replays_the_eager_steps_bits(nccl_for_capture, options):
                 p.copy_(q)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    buckets = len(state.buckets)
+    buckets = len(state.plans)
     assert buckets > 1
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         step()
-    assert len(state.buckets) == buckets, "nothing bound during capture"
+    assert len(state.plans) == buckets, "nothing bound during capture"
     for i, (x, expected) in enumerate(zip(data[WARMUP:], eager)):
         static_x.copy_(x)
         graph.replay()
@@ -108,8 +108,8 @@ def test_binding_and_timing_under_capture_are_refused_with_a_reason():
     state = ddp_triton.CommState(profile=None, timing=True)  # no process group: unbound, binds at a first bucket
     with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
         with pytest.raises(RuntimeError, match="first seen during CUDA graph capture.*at least 11"):
-            state._bind_bucket(cuda_buffer, None)
+            state.plan_for(cuda_buffer, None)
         with pytest.raises(RuntimeError, match="timing=True.*CUDA graph"):
             telemetry.watch(True, SimpleNamespace(buffer=cuda_buffer))
         assert telemetry.watch(False, SimpleNamespace(buffer=cuda_buffer)) is None  # no timing: the plain path
-    assert not state.bound and state.buckets == {}
+    assert not state.bound and state.plans == {}

@@ -83,7 +83,7 @@ def _worker(rank, world_size):
         find_ddp(accelerator, model.module)  # the module prepare was given: Accelerate keeps no link to its wrapper
     with pytest.warns(UserWarning, match="ignored by Accelerate"):
         state = register(accelerator, model, comm_dtype=torch.float32)
-    assert state.bound and state.world_size == world_size
+    assert state.bound and state.context.world_size == world_size
     assert train(accelerator, model, opt, loader) == plain_steps
     assert state.passes == plain_steps, "the hook averaged each synchronised backward, none under no_sync"
     for p, q in zip(model.parameters(), plain.parameters()):

@@ -101,13 +101,13 @@ def _callback_worker(rank, world_size):
     hooked, trainer = _fit(callbacks=[fp32])
     assert trainer.global_step == steps
     assert fp32.state.passes == steps, "the hook averaged each synchronised backward, none under no_sync"
-    assert {e.wire_buffer.dtype for e in fp32.state.buckets.values()} == {torch.float32}
+    assert {e.wire_buffer.dtype for e in fp32.state.plans.values()} == {torch.float32}
     for p, q in zip(hooked.parameters(), plain.parameters()):
         assert torch.equal(p, q), "float32 on the wire must give DDP's own bits"
 
     bf16 = TritonHook()  # bfloat16 by default
     on_bf16, _ = _fit(callbacks=[bf16])
-    assert bf16.state.passes == steps and {e.wire_buffer.dtype for e in bf16.state.buckets.values()} == {torch.bfloat16}
+    assert bf16.state.passes == steps and {e.wire_buffer.dtype for e in bf16.state.plans.values()} == {torch.bfloat16}
     diffs = [(p - q).abs().max().item() for p, q in zip(on_bf16.parameters(), plain.parameters())]
     # bfloat16 keeps 8 bits: each averaged gradient is off by up to 2^-9 relative; after 4 SGD steps at lr 0.1 on
     # gradients below 1, the weights move less than 1e-2 from float32's, and not at all would mean no rounding.
@@ -203,7 +203,7 @@ def _lazy_strategy_worker(rank, world_size):
     state = ddp_triton.CommState(comm_dtype=torch.float32)
     as_on_cuda = _HookAsOnCuda.make(ddp_comm_state=state, ddp_comm_hook=ddp_triton.triton_hook)
     hooked, trainer = _fit(strategy=as_on_cuda)
-    assert state.bound and state.group is dist.group.WORLD and state.world_size == WORLD
+    assert state.bound and state.context.group is dist.group.WORLD and state.context.world_size == WORLD
     assert state.passes == trainer.global_step == plain_trainer.global_step
     for p, q in zip(hooked.parameters(), plain.parameters()):
         assert torch.equal(p, q)

@@ -85,7 +85,7 @@ def _plain_modes(rank, world_size):
             local_backward(ddp, *batch, rank, world_size)
             check_step(ddp, ddp.module, lambda r: [batch], world_size, f"{kwargs} step {s}")
             opt.step()
-        assert len(state.buckets) > 1
+        assert len(state.plans) > 1
 
 
 def _no_sync(rank, world_size):
@@ -152,7 +152,7 @@ def _subgroup(rank, world_size):
     local = rank if rank < 2 else 0
     ddp = DDP(make_model(), process_group=mine, bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp)
-    assert state.world_size == members
+    assert state.context.world_size == members
     opt = sgd(ddp.parameters())
     for s in range(2):
         batch = make_data(s + 20 * (rank // 2))

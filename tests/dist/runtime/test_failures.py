@@ -29,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_triton.runtime.algo_groups import scoped_env
-from ddp_triton.runtime.bucket import then_unpack
 from ddp_triton.runtime.collective_errors import collective_error
 from ddp_triton.runtime.exchange import ExchangeQueue, Stage, StagedExchange
+from ddp_triton.runtime.plan import Plan
+from ddp_triton.runtime.telemetry import BucketRecord
 from dist_utils import call_as_the_test_left_off, snapshot, worker_context
 
 KILL_AT_STEP = 10
@@ -45,10 +46,27 @@ RUN_SECONDS = 300
 LOST_PEER = "failed: the connection to a peer was lost, so a peer is gone"
 
 
+class _Work:
+    """A stand-in collective's Work, its future completed by the test."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def get_future(self):
+        return self.future
+
+
+def _all_reduce_plan(buffer, reduced, unpacked):
+    """A bucket's plan of one all-reduce, whose collective's future is ``reduced`` and whose unpack notes itself."""
+    stage = Stage("pack", lambda: None, "all_reduce", lambda: _Work(reduced), "group")
+    exchange = StagedExchange(buffer, [stage], lambda: unpacked.append(True), ())
+    return Plan(buffer, exchange, None, buffer, None, None, None, None, BucketRecord())
+
+
 def test_a_failed_all_reduce_fails_the_hook_future_and_skips_the_unpack():
     unpacked = []
     reduced = torch.futures.Future()
-    done = then_unpack(reduced, lambda: unpacked.append(True), torch.zeros(3))
+    done = _all_reduce_plan(torch.zeros(3), reduced, unpacked).run(False)
     reduced.set_exception(RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match=f"all_reduce of a bucket {LOST_PEER}.*Connection closed by peer"):
         done.wait()
@@ -59,7 +77,7 @@ def test_a_completed_all_reduce_unpacks_and_gives_the_buffer():
     buffer = torch.arange(3.0)
     unpacked = []
     reduced = torch.futures.Future()
-    done = then_unpack(reduced, lambda: unpacked.append(True), buffer)
+    done = _all_reduce_plan(buffer, reduced, unpacked).run(False)
     reduced.set_result([buffer])
     assert done.wait() is buffer and unpacked == [True]
 

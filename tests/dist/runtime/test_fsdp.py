@@ -399,7 +399,7 @@ def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffe
 
 
 def test_an_exchange_through_prepared_calls_takes_no_statistics():
-    from ddp_triton.runtime.exchange import block_fp8_exchange, float32_sum_exchange
+    from ddp_triton.runtime.wire_exchanges import block_fp8_exchange, float32_sum_exchange
     from ddp_triton.runtime.prepared_calls import PreparedCalls
     from ddp_triton.formats import WireFormat
 

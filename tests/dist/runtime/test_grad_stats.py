@@ -18,7 +18,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -118,7 +117,7 @@ def _several_buckets(rank, world_size):
             for s, max_norm in enumerate((0.05, 1e3)):  # clipped, then a coefficient clamped to 1
                 step(ddp, rank, world_size, s)
                 if s == 1:  # DDP's buckets after its rebuild (the first pass has one large first bucket)
-                    assert sum(e.last_used == state._passes - 1 for e in state.buckets.values()) > 1
+                    assert sum(e.record.last_used == state.passes - 1 for e in state.plans.values()) > 1
                 check_clip_via_state(ddp, state, max_norm)
 
 
@@ -131,10 +130,10 @@ def _no_sync(rank, world_size):
             with ddp.no_sync():  # accumulates locally; the hook does not run
                 x, y = make_data(10 * s)
                 local_backward(ddp, x, y, rank, world_size)
-            passes = state._passes
+            passes = state.passes
             x, y = make_data(10 * s + 1)
             local_backward(ddp, x, y, rank, world_size)
-            assert state._passes == passes + 1  # the statistics are the synchronising backward's
+            assert state.passes == passes + 1  # the statistics are the synchronising backward's
             check_clip_via_state(ddp, state, 0.05)
 
 
@@ -174,7 +173,7 @@ def _mixed_dtypes(rank, world_size):
             x, y = make_data(0)
             ddp.zero_grad()
             nn.functional.mse_loss(ddp(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-            assert {e.buffer.dtype for e in state.buckets.values()} == {torch.float32, torch.bfloat16}
+            assert {e.buffer.dtype for e in state.plans.values()} == {torch.float32, torch.bfloat16}
             check_clip_via_state(ddp, state, 0.05, rtol=BF16_RTOL)
 
 
@@ -457,7 +456,7 @@ def _two_level_worker(rank, world_size):
     for options in (dict(comm_dtype=torch.bfloat16), dict(comm_dtype=torch.float8_e4m3fn)):
         ddp = DDP(make_model(), bucket_cap_mb=0.002)
         state = ddp_triton.register(ddp, grad_stats=True, hierarchical=True, **options)
-        assert state.nodes is not None
+        assert state.context.nodes is not None
         for s, max_norm in enumerate((0.05, 1e3)):
             step(ddp, rank, world_size, s)
             check_clip_via_state(ddp, state, max_norm)
@@ -540,7 +539,7 @@ def test_grad_stats_over_nccl(nccl_world_of_one, comm_dtype):
         ddp.zero_grad()
         ddp(x).square().mean().backward()
     if comm_dtype == torch.float32:
-        assert all(e.op == dist.ReduceOp.AVG for e in state.buckets.values())
+        assert all(e.record.wire_format == "float32 (AVG)" for e in state.plans.values())
     check_clip_via_state(ddp, state, 0.01)
     summary = state.summary()
     assert summary.clock == "cuda events"

@@ -21,7 +21,7 @@ from ddp_helpers import (FP32_TOL, Branchy, TwoDtypes, assert_params_close, loca
 from dist_utils import run_workers
 from interpreter import interpreter_problem
 from ddp_triton.runtime.algo_groups import scoped_env
-from ddp_triton.runtime.bucket import split_average
+from ddp_triton.formats import average_factors
 
 def torch_bf16_hook(state, bucket):
     """torch's bf16_compress_hook itself. DDP refuses it by name outside NCCL, though it runs fine on gloo (which
@@ -42,7 +42,7 @@ def _equivalence_worker(rank, world_size, gabv, bucket_cap_mb, static_graph):
     train_ddp(ddp, rank, world_size, steps=6)
     assert_params_close(ddp.module, reference, **FP32_TOL)
     if bucket_cap_mb < 0.01:
-        assert len(state.buckets) > 1, "the small bucket cap should give several buckets"
+        assert len(state.plans) > 1, "the small bucket cap should give several buckets"
 
 
 # Copied-out gradients at world size 2, bucket views at 2 and 4: world size 4 with copies adds no path (CI time).
@@ -163,7 +163,7 @@ def _subgroup_worker(rank, world_size):
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     ddp = DDP(model, process_group=mine, bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp, comm_dtype=torch.float32)
-    assert state.world_size == 2
+    assert state.context.world_size == 2
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(4):
         x, y = make_data(step)
@@ -236,7 +236,7 @@ def _dtypes_worker(rank, world_size):
         state = ddp_triton.register(ddp)
         xs = local_slice(x, rank, world_size).to(next(model.parameters()).dtype)
         nn.functional.mse_loss(ddp(xs).float(), local_slice(y, rank, world_size)).backward()
-        dtypes = {e.buffer.dtype for e in state.buckets.values()}
+        dtypes = {e.buffer.dtype for e in state.plans.values()}
         assert torch.bfloat16 in dtypes
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad.float(), q.grad, **BF16_MODEL_TOL)
@@ -260,11 +260,11 @@ def _memory_worker(rank, world_size):
         opt.step()
         if step == 10:  # past DDP's bucket rebuild and the pruning of the first buckets' entries
             held = state.held_bytes()
-            comms = {k: e.wire_buffer for k, e in state.buckets.items()}
+            comms = {k: e.wire_buffer for k, e in state.plans.items()}
     assert state.held_bytes() == held
     assert held == sum(p.numel() for p in model.parameters()) * 2  # one bfloat16 copy of each bucket
-    assert state.buckets.keys() == comms.keys()
-    assert all(state.buckets[k].wire_buffer is c for k, c in comms.items()), "communication buffers were reallocated"
+    assert state.plans.keys() == comms.keys()
+    assert all(state.plans[k].wire_buffer is c for k, c in comms.items()), "communication buffers were reallocated"
 
 
 def test_long_run_holds_constant_memory():
@@ -326,10 +326,10 @@ def test_bad_input_fails_clearly_on_every_rank():
     torch_path_workers(_bad_input_worker, 2)
 
 
-def test_split_average_keeps_the_product():
+def test_average_factors_keep_the_product():
     for n in (1, 2, 3, 8, 1024):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            pre, post = split_average(n, dtype)
+            pre, post = average_factors(n, dtype)
             assert pre * post == pytest.approx(1 / n, rel=1e-12)
             if dtype != torch.float16:
                 assert post == 1.0
@@ -337,7 +337,7 @@ def test_split_average_keeps_the_product():
 
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 8, 64, 100, 1024, 4096, 65536])
 def test_float16_split_is_a_power_of_two_within_the_stated_bound(n):
-    pre, post = split_average(n, torch.float16)
+    pre, post = average_factors(n, torch.float16)
     assert math.frexp(pre)[0] == 0.5, f"pre {pre} is not a power of two"
     if n & (n - 1) == 0:  # a power-of-two world size: both factors exact
         assert math.frexp(post)[0] == 0.5 and pre * post * n == 1.0
@@ -363,7 +363,7 @@ def _fp16_worker(rank, world_size):
     nn.functional.mse_loss(reference(x), y).backward()
     ddp = DDP(model, bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp, comm_dtype=torch.float16)
-    assert (state.pre_scale, state.post_scale) == split_average(world_size, torch.float16)
+    assert state.context.wire_for(1)[1:] == average_factors(world_size, torch.float16)
     local_backward(ddp, x, y, rank, world_size)
     for p, q in zip(model.parameters(), reference.parameters()):
         # float16 keeps 11 significant bits: one rounding before the wire, one per addition in the sum and one
@@ -431,7 +431,7 @@ def test_process_group_as_state_like_torch_hooks():
 
 def _shared_state_worker(rank, world_size):
     """Two models (a GAN's two halves, say) registered with None share the default state: neither evicts the other."""
-    from ddp_triton.runtime.state import default_state
+    from ddp_triton.runtime.hook import default_state
 
     models = [DDP(make_model(seed=s), bucket_cap_mb=0.002) for s in (0, 1)]
     for m in models:
@@ -443,9 +443,9 @@ def _shared_state_worker(rank, world_size):
             m.zero_grad()
             local_backward(m, x, y, rank, world_size)
         if step == 8:
-            comms = {k: e.wire_buffer for k, e in default_state().buckets.items()}
+            comms = {k: e.wire_buffer for k, e in default_state().plans.items()}
     assert len(comms) >= 4, "both models' buckets are in the shared state"
-    assert {k: e.wire_buffer for k, e in default_state().buckets.items()} == comms, "buffers were rebound"
+    assert {k: e.wire_buffer for k, e in default_state().plans.items()} == comms, "buffers were rebound"
 
 
 def test_models_sharing_the_default_state_keep_their_buffers():

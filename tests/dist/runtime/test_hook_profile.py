@@ -20,7 +20,7 @@ from ddp_triton.machine.profile import (FormatChoice, FormatRange, Profile, Prof
                                        profile_fingerprint)
 from ddp_triton.machine.topology import load_topology
 from ddp_triton.runtime import profile_choice
-from ddp_triton.runtime.bucket import collective_averages
+from ddp_triton.runtime.plan import collective_averages
 from ddp_helpers import (FP32_TOL, SPLIT_BYTES, assert_params_close, make_model, torch_path_workers, train_ddp,
                          train_reference, two_range_profile)
 
@@ -30,12 +30,12 @@ def _dispatch_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0.002)  # buckets of a few KiB up to ~4 KiB and the larger layers alone
     profile = two_range_profile(world_size)
     state = ddp_triton.register(ddp, comm_dtype=torch.float32, profile=profile)
-    assert state.profile is profile and state.active_profile is profile
-    assert set(state.algorithm_groups) == {"ring", "tree"}
-    assert all(g is state.group for g in state.algorithm_groups.values())  # gloo: one group for all
+    assert state.profile is profile and state.context.profile is profile
+    assert set(state.context.algorithm_groups) == {"ring", "tree"}
+    assert all(g is state.context.group for g in state.context.algorithm_groups.values())  # gloo: one group for all
     train_ddp(ddp, rank, world_size, steps=4)
     assert_params_close(ddp.module, reference, **FP32_TOL)
-    chosen = {e.wire_buffer.numel() * 4: e.algorithm for e in state.buckets.values()}
+    chosen = {e.wire_buffer.numel() * 4: e.algorithm for e in state.plans.values()}
     assert set(chosen.values()) == {"ring", "tree"}, f"sizes {chosen} should straddle the split"
     for nbytes, algorithm in chosen.items():
         assert algorithm == ("tree" if nbytes <= SPLIT_BYTES else "ring")
@@ -61,7 +61,7 @@ def _files_worker(rank, world_size, tmp):
         two_range_profile(world_size).save(good)
     dist.barrier()
     state = ddp_triton.CommState(comm_dtype=torch.float32, profile=good)
-    assert state.active_profile is not None and state.active_profile.algorithm_for(100) == "tree"
+    assert state.context.profile is not None and state.context.profile.algorithm_for(100) == "tree"
     assert state.profile == good, "the argument as given; the Profile it resolved to is active_profile"
 
     with pytest.raises(ProfileError, match="world_size"):  # a Profile object is the caller's: a mismatch is an error

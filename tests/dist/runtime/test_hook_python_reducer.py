@@ -56,7 +56,7 @@ def _tuple_call_worker(rank, world_size):
                 except AssertionError as exc:
                     raise AssertionError(f"state {name}, {dtype}: {exc}") from None
             if isinstance(state, CommState):
-                assert state.buckets == {}, "the tuple path binds no bucket"
+                assert state.plans == {}, "the tuple path binds no bucket"
     # what the bucket path refuses, the tuple path refuses too
     grad = torch.ones(3, dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"):
@@ -115,7 +115,7 @@ def _compiled_autograd_worker(rank, world_size, which):
                 q -= 0.1 * q.grad
     assert counters["compiled_autograd"]["captures"] >= 1, "the backward did not go through compiled autograd"
     if state is not None:
-        assert state.buckets == {} and eager_state.buckets, "compiled: the per-parameter path; eager: buckets"
+        assert state.plans == {} and eager_state.plans, "compiled: the per-parameter path; eager: buckets"
 
 
 @pytest.mark.parametrize("which", ["register-float16", "None"])

@@ -45,8 +45,8 @@ def no_process_group():
 
 def test_built_before_the_process_group_holds_its_settings(no_process_group):
     state = CommState(comm_dtype=torch.float32, profile=None)
-    assert not state.bound and state.passes == 0 and state.buckets == {}
-    assert state.comm_dtype == torch.float32 and state.process_group is None and state.active_profile is None
+    assert not state.bound and state.passes == 0 and state.plans == {}
+    assert state.comm_dtype == torch.float32 and state.process_group is None and state.context is None
     # pickles like a restored state: settings only, still unbound
     again = pickle.loads(pickle.dumps(state))
     assert not again.bound and again.comm_dtype == torch.float32 and again.profile is None
@@ -76,10 +76,10 @@ def _first_bucket_worker(rank, world_size):
     assert not state.bound
     train_ddp(ddp, rank, world_size, STEPS)
     train_ddp(plain, rank, world_size, STEPS)
-    assert state.bound and state.group is dist.group.WORLD and state.world_size == world_size
-    assert state.backend == "gloo" and state.active_profile is None and state.device is None
+    assert state.bound and state.context.group is dist.group.WORLD and state.context.world_size == world_size
+    assert state.context.backend == "gloo" and state.context.profile is None and state.device is None
     assert state.passes == STEPS, "the hook averaged every backward"
-    assert len(state.buckets) > 1 and {e.wire_buffer.dtype for e in state.buckets.values()} == {torch.float32}
+    assert len(state.plans) > 1 and {e.wire_buffer.dtype for e in state.plans.values()} == {torch.float32}
     assert_same_weights(ddp.module, plain.module)
 
 
@@ -98,7 +98,7 @@ def _register_worker(rank, world_size):
         ddp_triton.register(ddp, state=state, comm_dtype=torch.float16)
     ddp = DDP(model, process_group=pair)
     assert ddp_triton.register(ddp, state=state) is state
-    assert state.bound and state.group is pair, "bound at register, to the model's group"
+    assert state.bound and state.context.group is pair, "bound at register, to the model's group"
     train_ddp(ddp, rank, world_size, STEPS)
     train_ddp(plain, rank, world_size, STEPS)
     assert state.passes == STEPS

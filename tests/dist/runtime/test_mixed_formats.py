@@ -210,13 +210,13 @@ def _fallback_and_disagreement_worker(rank, world_size):
     # No profile with formats found ("auto" on gloo finds none): every rank warns and sends bf16 (one all-reduce per
     # bucket). A file named by the user that chooses no formats is refused instead (test_hook_profile.py).
     state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile="auto")
-    assert state.formats is None and state.wire.name == "bf16"
+    assert state.context.formats is None and state.wire.name == "bf16"
     # The formats a state binds are those its table uses (what the ranks' profile check covers), not every one the
     # profile admitted: an unused two-level format binds no node groups.
     unused = mixed_profile(world_size)
     unused.formats.admitted.append("two-level bf16")
     state = ddp_triton.register(DDP(Three()), comm_dtype="auto", profile=unused)
-    assert set(state.formats) == {"bf16", "fp8e4m3+ef", "bf16+fp32sum"} and state.nodes is None
+    assert set(state.context.formats) == {"bf16", "fp8e4m3+ef", "bf16+fp32sum"} and state.context.nodes is None
     # A table of all-reduce formats only: nothing is staged, so the all-reduces need no queue and take the direct
     # path; with a staged format among them they go through the queue.
     for table, queued in (([FormatRange(0, 2047, "bf16"), FormatRange(2048, None, "fp32")], False), (TABLE, True)):
@@ -225,9 +225,9 @@ def _fallback_and_disagreement_worker(rank, world_size):
         for _ in range(2):
             x, y = data(0)
             nn.functional.mse_loss(ddp(x), y).backward()
-        all_reduces = [e for e in state.buckets.values() if "fp8" not in e.record.wire_format
+        all_reduces = [e for e in state.plans.values() if "fp8" not in e.record.wire_format
                        and "fp32sum" not in e.record.wire_format]
-        assert all_reduces and all((e.exchange is not None) == queued for e in all_reduces), (table, queued)
+        assert all_reduces and all((e.queue is not None) == queued for e in all_reduces), (table, queued)
     # Ranks given profiles that choose differently fail together, before any bucket.
     table = TABLE if rank == 0 else [FormatRange(0, None, "bf16")]
     with pytest.raises(RuntimeError, match="profile"):
@@ -257,7 +257,7 @@ def test_an_auto_state_pickles_as_its_settings():
     state = ddp_triton.CommState(comm_dtype="auto", profile="auto")  # no process group yet: settings only
     again = pickle.loads(pickle.dumps(state))
     assert again.comm_dtype == "auto" and again.profile == "auto" and again.wire_setting == "auto"
-    assert not again.bound and again.formats is None
+    assert not again.bound and again.context is None
 
 
 TWO_LEVEL_TABLE = [FormatRange(0, 2047, "bf16+fp32sum"), FormatRange(2048, None, "two-level fp8e4m3+ef")]
@@ -275,7 +275,7 @@ def _two_level_mixed_worker(rank, world_size):
     profile = mixed_profile(world_size, TWO_LEVEL_TABLE)
     model = Three()
     state = ddp_triton.CommState(comm_dtype="auto", profile=profile)
-    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (2, 2)
+    assert state.context.nodes is not None and (state.context.nodes.n_nodes, state.context.nodes.local_size) == (2, 2)
     recording_hook, buckets = recording(model)
 
     ddp = DDP(model, bucket_cap_mb=0.0001)

@@ -1,10 +1,11 @@
 """A CommState that can be saved: torch.save/torch.load of a whole DDP model, copy.deepcopy, plain pickle.
 
 Tier: gloo multi-process on CPU (world size 2, spawned here), kernels on their torch CPU path, bfloat16 on the wire
-unless said; the states pickled in another format are refused without processes. A restored model is compared with one that was never saved, trained on the same data: bit for bit,
-since both run the same hook on the same gradients and only DDP's bucket layout differs (the hook works element by
-element). torch rebuilds DDP's reducer on unpickling without its comm hook, so the restored model is given its
-hook back with ``ddp_triton.reattach``; the tests check the restored state did the averaging.
+unless said; the states pickled in another format are refused without processes. A restored model is compared with
+one that was never saved, trained on the same data: bit for bit, since both run the same hook on the same gradients
+and only DDP's bucket layout differs (the hook works element by element). torch rebuilds DDP's reducer on unpickling
+without its comm hook, so the restored model is given its hook back with ``ddp_triton.reattach``; the tests check
+the restored state did the averaging.
 """
 
 import copy
@@ -55,18 +56,18 @@ def _contents_worker(rank, world_size, tmp):
     ddp = DDP(make_model(), bucket_cap_mb=0.002)
     state = ddp_triton.register(ddp, comm_dtype=torch.float16)
     train(ddp, rank, world_size, steps=1)
-    assert state.buckets and state.held_bytes() > 0  # buffers and launches bound: none of them may travel
+    assert state.plans and state.held_bytes() > 0  # buffers and launches bound: none of them may travel
     buf = io.BytesIO()
     spy = _Spy(buf)
     spy.dump(state)
     kinds = {f"{t.__module__}.{t.__qualname__}" for t in spy.seen}
     assert not [k for k in kinds if "ProcessGroup" in k or "Tensor" in k or "Storage" in k or "function" in k
-                or "BucketComm" in k], kinds
+                or "runtime.plan" in k or "runtime.context" in k], kinds
     data = buf.getvalue()
-    for needle in (b"ProcessGroup", b"_rebuild_tensor", b"Storage", b"kernels", b"BucketComm"):
+    for needle in (b"ProcessGroup", b"_rebuild_tensor", b"Storage", b"kernels", b"runtime.plan", b"runtime.context"):
         assert needle not in data, f"{needle!r} in the pickled state"
     restored = pickle.loads(data)
-    assert restored.comm_dtype == torch.float16 and restored.process_group is None and restored.buckets == {}
+    assert restored.comm_dtype == torch.float16 and restored.process_group is None and restored.plans == {}
     assert restored.profile == "auto", "the profile argument as given, resolved again when the state binds"
     # A profile given as a path stays that path (here one that does not exist: not resolved until binding).
     as_path = CommState(comm_dtype=torch.float32, profile=None)
@@ -128,13 +129,13 @@ def _save_load_worker(rank, world_size, tmp):
     loaded = torch.load(path, weights_only=False)
     assert_same_weights(loaded.module, model)
     restored = ddp_triton.reattach(loaded)
-    assert isinstance(restored, CommState) and restored is not state and restored.buckets == {}
+    assert isinstance(restored, CommState) and restored is not state and restored.plans == {}
     train(ddp, rank, world_size, steps=2, first_step=1)
     train(loaded, rank, world_size, steps=2, first_step=1)
     assert_same_weights(loaded.module, model)
     # the restored state did the averaging, on the default group, in bfloat16
-    assert restored.buckets and restored.group is dist.group.WORLD and restored.comm_dtype == torch.bfloat16
-    assert {e.wire_buffer.dtype for e in restored.buckets.values()} == {torch.bfloat16}
+    assert restored.plans and restored.context.group is dist.group.WORLD and restored.comm_dtype == torch.bfloat16
+    assert {e.wire_buffer.dtype for e in restored.plans.values()} == {torch.bfloat16}
 
 
 def test_torch_save_and_load_of_a_whole_ddp_model(tmp_path):
@@ -155,7 +156,7 @@ def _deepcopy_worker(rank, world_size):
     train(ddp, rank, world_size, steps=2, first_step=1)
     train(twin, rank, world_size, steps=2, first_step=1)
     assert_same_weights(twin.module, model)
-    assert twin_state.buckets, "the copy's own state did the averaging"
+    assert twin_state.plans, "the copy's own state did the averaging"
     # an unpickled model that never carried the hook says so
     plain = copy.deepcopy(DDP(make_model()))
     with pytest.raises(ValueError, match="no triton_hook"):

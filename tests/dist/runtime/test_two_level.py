@@ -99,7 +99,8 @@ def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, m
     reference = TwoLevelReference(model, options, world_size, nodes=nodes)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     state, buckets = recording_state(ddp, options)
-    assert state.nodes is not None and (state.nodes.n_nodes, state.nodes.local_size) == (world_size // LOCAL, LOCAL)
+    nodes = state.context.nodes
+    assert nodes is not None and (nodes.n_nodes, nodes.local_size) == (world_size // LOCAL, LOCAL)
     assert state.wire.name.startswith("two-level ")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
@@ -130,14 +131,14 @@ def _every_format_worker(rank, world_size):
             # Every bucket: the node's sum, the exchange between the nodes, the node's all-gather. Between two nodes
             # 16 bits with float32 sums is one all-reduce (the same bits), FP8 an all-to-all and an all-gather.
             fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
-            assert {len(e.exchange.stages) for e in state.buckets.values()} == {4 if fp8 else 3}, str(summary)
+            assert {len(e.exchange.stages) for e in state.plans.values()} == {4 if fp8 else 3}, str(summary)
 
 
 def _three_nodes_worker(rank, world_size):
     state = _same_bits_worker(rank, world_size, dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 25,
                               steps=2)
     # Between three nodes the float32 sums take the all-to-all and the all-gather: 4 collectives a bucket.
-    assert {len(e.exchange.stages) for e in state.buckets.values()} == {4}
+    assert {len(e.exchange.stages) for e in state.plans.values()} == {4}
 
 
 def test_two_level_between_three_nodes_sums_in_float32_by_all_to_all():
@@ -167,7 +168,8 @@ def _interleaved_worker(rank, world_size):
     os.environ["GROUP_RANK"] = str((0, 1, 1, 0)[rank])  # node 0: ranks 0 and 3, node 1: ranks 1 and 2
     state = check_against_reference(rank, world_size, dict(comm_dtype=torch.float8_e4m3fn), 25,
                                     nodes=[[0, 3], [1, 2]])
-    assert (state.nodes.local_index, state.nodes.node_index) == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}[rank]
+    nodes = state.context.nodes
+    assert (nodes.local_index, nodes.node_index) == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}[rank]
 
 
 def test_two_level_nodes_whose_ranks_interleave():
@@ -207,7 +209,7 @@ def _reduce_scatter_worker(rank, world_size):
     os.environ["GROUP_RANK"] = str(rank // LOCAL)
     for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.bfloat16)):
         state = check_against_reference(rank, world_size, options, 0.004)
-        assert state.nodes.reduce_scatter
+        assert state.context.nodes.reduce_scatter
         stages = [stage.collective_phase for stage in state.latest_pass()[0].exchange.stages]
         assert stages[0] == "reduce_scatter", stages
 
@@ -262,7 +264,7 @@ def _fallback_worker(rank, world_size, node_of_rank, caplog_level):
     logging.getLogger("ddp_triton").setLevel(caplog_level)
     state = ddp_triton.register(DDP(Wide()), comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32,
                                 hierarchical=True)
-    assert state.nodes is None and state.wire.name == "bf16+fp32sum", state.wire.name
+    assert state.context.nodes is None and state.wire.name == "bf16+fp32sum", state.wire.name
     _same_flat_bits(rank, world_size, state)
 
 

@@ -111,7 +111,7 @@ def _same_bits_worker(rank, world_size, options, bucket_cap_mb, static_graph):
     assert state.passes == 4
     # The summary names the format and counts what each bucket's exchange handed to the wire.
     summary = state.summary()
-    live = [e for e in state.buckets.values() if e.last_used == state.passes - 1]
+    live = [e for e in state.plans.values() if e.record.last_used == state.passes - 1]
     assert summary.wire_bytes_per_step == sum(e.exchange.send.numel() * e.exchange.send.element_size() for e in live)
     assert all(set(b.wire_bytes) == {state.wire.name} for b in summary.buckets), str(summary)
     fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -299,7 +299,7 @@ class Given(nn.Module):
 def _two_ranks_worker(rank, world_size):
     """Over two ranks the 16-bit formats with float32 sums travel as one all-reduce, with the definition's bits:
     ties to even, a -0.0 from both ranks, values far apart, subnormal ones, and random ones."""
-    from ddp_triton.runtime.bucket import split_average
+    from ddp_triton.formats import average_factors
 
     for wire, tie in ((torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)):
         gen = torch.Generator().manual_seed(7)
@@ -315,14 +315,14 @@ def _two_ranks_worker(rank, world_size):
         for _ in range(2):  # DDP's first bucket order, then the rebuilt one
             model.weight.grad = None
             ddp().backward()
-        pre, post = split_average(2, wire)
+        pre, post = average_factors(2, wire)
         sent = [(g * pre).to(wire).float() for g in per_rank]
         want = (sent[0] + sent[1]).to(wire).float() * post
         assert_same_bits(model.weight.grad, want)
         assert bits(model.weight.grad)[1].item() == bits(torch.tensor([-0.0])).item()
         summary = state.summary()
         assert [b.wire_format for b in summary.buckets] == [state.wire.name], str(summary)
-        assert {e.record.collectives_per_pass for e in state.buckets.values()} == {1}  # no all-to-all, no all-gather
+        assert {e.record.collectives_per_pass for e in state.plans.values()} == {1}  # no all-to-all, no all-gather
         assert summary.wire_bytes_per_step == per_rank[0].numel() * 2  # the all-reduce of the 16-bit bucket
 
 
@@ -367,7 +367,7 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
     allocates, are the messages ``autotune --model-only --wire-formats`` prices; FP8 sends 132/256 of bf16's."""
     import ddp_triton.machine.cost_model as cm
     from ddp_triton.kernels import block_layout
-    from ddp_triton.runtime.exchange import block_fp8_exchange, float32_sum_exchange
+    from ddp_triton.runtime.wire_exchanges import block_fp8_exchange, float32_sum_exchange
 
     n = 1_000_003  # one tensor, a prime number of elements: both kinds of padding happen
     bucket = torch.zeros(n)
@@ -404,13 +404,15 @@ def test_ranks_that_disagree_on_the_wire_format_fail_together():
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-level"])
 def test_an_fp8_bucket_without_its_parameters_is_refused_before_anything_binds(hierarchical):
-    from ddp_triton.runtime.bucket import bind_bucket
+    from ddp_triton.runtime.context import Context
     from ddp_triton.runtime.exchange import ExchangeQueue
+    from ddp_triton.runtime.plan import plan_bucket
     from ddp_triton.runtime.residuals import ResidualStore
 
     store = ResidualStore()
+    wire = WireFormat.from_options(torch.float8_e4m3fn, hierarchical=hierarchical)
+    context = Context(group=None, world_size=2, backend="gloo", wire=wire, formats=None, profile=None,
+                      algorithm_groups={}, nodes=None, queue=ExchangeQueue(), residuals=store, grad_stats=False)
     with pytest.raises(ValueError, match="needs the bucket's parameters, got 0 covering 0 of 10 elements"):
-        bind_bucket(torch.zeros(10), None, wire=WireFormat.from_options(torch.float8_e4m3fn, hierarchical=hierarchical),
-                    group=None, world_size=2, backend="gloo", pre_scale=0.5, post_scale=1.0, grad_stats=False,
-                    group_for=None, residuals=store, queue=ExchangeQueue())
+        plan_bucket(torch.zeros(10), None, context)
     assert not store.layouts

@@ -318,9 +318,9 @@ def test_comm_dtype_int8_rejected_in_model_only(capsys, env):
 
 
 def test_cli_comm_dtypes_are_the_hooks(capsys, env):
-    from ddp_triton.runtime.state import COMM_DTYPES
+    from ddp_triton.dtypes import comm_dtypes
 
-    for dtype in COMM_DTYPES:  # every dtype the hook takes, the CLI takes as the comm dtype
+    for dtype in comm_dtypes():  # every dtype the hook takes, the CLI takes as the comm dtype
         name = str(dtype).replace("torch.", "")
         assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--comm-dtype", name, "--no-cache",
                      "--max-bytes", "4K", "--json"]) == 0

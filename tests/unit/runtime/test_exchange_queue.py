@@ -105,8 +105,10 @@ def test_the_last_bucket_drains_without_holding_later_buckets_behind_earlier_one
     rec, queue = Recorder(), ExchangeQueue()
     first = queue.start(rec.exchange(0, TWO_LEVEL), last=False)
     results = {}
-    draining = threading.Thread(daemon=True, target=lambda: results.setdefault(1, queue.start(rec.exchange(1, TWO_LEVEL),
-                                                                                 last=True)))
+    def drain():
+        results[1] = queue.start(rec.exchange(1, TWO_LEVEL), last=True)
+
+    draining = threading.Thread(daemon=True, target=drain)
     draining.start()
 
     def issued(entry):
