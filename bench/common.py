@@ -1,9 +1,11 @@
-"""What every benchmark here shares: timing, the machine's description, and writing results."""
+"""What every benchmark here shares: timing, printing (tables, progress), the machine's description, and writing
+results."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -84,19 +86,47 @@ def bench_us(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 25,
     return statistics.median(times) * 1e6
 
 
-def host_us_per_call(fn: Callable[[], Any], device: torch.device, calls: int = 2000, warmup: int = 200) -> float:
-    """Host microseconds per call over many calls, synchronised once at the end (the GPU is never the limit)."""
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only: CPU work is done when the call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us_per_call(fn: Callable[[], Any], device: torch.device, calls: int = 2000, warmup: int = 200,
+                     gc_off: bool = False) -> float:
+    """Host microseconds per call over many calls, synchronised once at the end (the GPU is never the limit).
+    ``gc_off``: collect garbage first and let no collection run during the timed calls."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
+    if gc_off:
+        gc.collect()
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+    finally:
+        if gc_off:
+            gc.enable()
+    sync(device)
     return elapsed / calls * 1e6
+
+
+def time_calls(call: Callable[[], Any], calls: int, warmup: int, device: torch.device) -> List[float]:
+    """Milliseconds of each of ``calls`` synchronised calls (training steps, graph replays), after ``warmup``
+    untimed ones."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(calls):
+        sync(device)
+        start = time.perf_counter()
+        call()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

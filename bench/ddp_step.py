@@ -42,11 +42,9 @@ import datetime as _dt
 import functools
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -60,10 +58,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import OUT_DIR, append_results, environment, format_table, progress, save_json  # noqa: E402
+from bench.common import (OUT_DIR, append_results, environment, format_table, progress, save_json,  # noqa: E402
+                          time_calls)
 from bench.ddp_models import Workload, make_workload  # noqa: E402
-from bench.ddp_profile import (BACKWARD_RANGE, FORWARD_RANGE, STEP_RANGE, analyse_trace,  # noqa: E402
-                               bucket_table, step_table)
+from bench.ddp_profile import BACKWARD_RANGE, FORWARD_RANGE, analyse_trace, bucket_table, step_table  # noqa: E402
+from bench.ddp_trace import range_hooks, record_trace, safe_name  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 
 #: max_norm of the clipping variants: a value the model's gradients exceed, so that every step scales them.
@@ -155,12 +154,6 @@ def make_ddp(base: nn.Module, device: torch.device, gabv: bool = False) -> DDP:
                gradient_as_bucket_view=gabv)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA only: CPU work is done when the call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_step(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], opt: torch.optim.Optimizer,
               clip: Optional[Callable[[], None]] = None, ranges: bool = False) -> Callable[[], None]:
     """One training step: zero_grad, forward and loss, backward, the variant's clip, SGD. ``ranges``: inside
@@ -193,109 +186,10 @@ def make_step(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], opt: to
     return step_in_ranges
 
 
-def time_calls(call: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
-    """Milliseconds of each of ``steps`` synchronised calls (steps, graph replays), after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        call()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def time_steps(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int,
                device: torch.device, clip: Optional[Callable[[], None]] = None) -> List[float]:
     """Milliseconds of each of ``steps`` synchronised steps (SGD, lr 1e-4), after ``warmup`` untimed ones."""
     return time_calls(make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip), steps, warmup, device)
-
-
-# ---- profiling: recording the trace (bench/ddp_profile.py reads it) --------------------------------------------------
-
-
-def hook_in_range(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` inside a profiler range ``ddp_step.hook bucket N``: the host time of the whole call, for any hook.
-
-    ``functools.wraps`` keeps the name and (through ``__wrapped__``) the signature DDP checks at registration."""
-
-    @functools.wraps(hook)
-    def ranged(state: Any, bucket: Any) -> Any:
-        with torch.profiler.record_function(f"ddp_step.hook bucket {bucket.index()}"):
-            return hook(state, bucket)
-
-    return ranged
-
-
-def range_hooks(ddp: DDP) -> None:
-    """Make every comm hook registered on ``ddp`` from now on (``ddp_triton.register``'s too) run in
-    ``hook_in_range``: DDP's reducer takes one hook, so it must be wrapped before it is registered."""
-    register_comm_hook = ddp.register_comm_hook
-
-    def register_in_range(state: object, hook: Callable[..., Any]) -> None:
-        register_comm_hook(state, hook_in_range(hook))
-
-    ddp.register_comm_hook = register_in_range  # type: ignore[method-assign]
-
-
-def start_profiler(device: torch.device, steps: int) -> Tuple[Any, bool, Optional[str]]:
-    """A started ``torch.profiler.profile`` (CPU, and CUDA on a GPU) that records ``steps`` steps after one step of
-    its own warm-up (the first step under a profiler pays for its set-up; ``prof.step()`` after each step), on every
-    thread where this torch can.
-
-    Returns (profiler, whether it records every thread, a note when it does not). Without every thread, what gloo
-    runs on its own thread (unpacks completing late) is missing from the trace."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    options: Dict[str, Any] = {"activities": activities,
-                               "schedule": torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)}
-    try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):  # torch before profile_all_threads
-        config = None
-    if config is not None:
-        prof = torch.profiler.profile(experimental_config=config, **options)
-        try:
-            prof.start()
-            return prof, True, None
-        except RuntimeError as e:
-            note = f"the profiler refused to record every thread ({e}); recorded the calling thread's only"
-    else:
-        note = f"torch {torch.__version__} cannot record every thread: ranges on other threads are missing"
-    prof = torch.profiler.profile(**options)
-    prof.start()
-    return prof, False, note
-
-
-def safe_name(*parts: Any) -> str:
-    """A file name of letters, digits, '.', '_' and '-' only, from ``parts`` joined by '-'."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(str(p) for p in parts))
-
-
-def profile_variant(ddp: DDP, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int,
-                    device: torch.device, trace_path: Path, clip: Optional[Callable[[], None]] = None
-                    ) -> Tuple[bool, Optional[str]]:
-    """Run ``warmup`` steps, then record ``steps`` synchronised steps (each in a ``ddp_step.step`` range, after the
-    profiler's own warm-up step) and write the chrome trace to ``trace_path``. Returns (every thread recorded, a
-    note when not)."""
-    step = make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip, ranges=True)
-    for _ in range(warmup):
-        step()
-    sync(device)
-    prof, all_threads, note = start_profiler(device, steps)
-    try:
-        for _ in range(1 + steps):  # the profiler's warm-up step, then the recorded ones
-            with torch.profiler.record_function(STEP_RANGE):
-                step()
-                sync(device)  # inside the step's range: its GPU work ends within it
-            prof.step()
-    finally:
-        prof.stop()
-    prof.export_chrome_trace(str(trace_path))
-    return all_threads, note
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -448,7 +342,8 @@ def run_profiles(args: argparse.Namespace, work: Workload, device: torch.device,
             clip = register(ddp, variant, notes)
             trace = out_dir / (safe_name("ddp_trace", work.env["model"], variant, f"view_{'on' if gabv else 'off'}",
                                          f"rank{rank}", stamp) + ".json")
-            all_threads, note = profile_variant(ddp, work.loss, args.steps, args.warmup, device, trace, clip)
+            step = make_step(ddp, work.loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip, ranges=True)
+            all_threads, note = record_trace(step, args.steps, args.warmup, device, trace)
             if note:
                 notes.append(note)
             del ddp, clip

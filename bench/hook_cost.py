@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import os
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -64,7 +62,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import environment, format_table, json_text, machine, one_rank_gloo, save_json  # noqa: E402
+from bench.common import (environment, format_table, host_us_per_call, json_text, machine,  # noqa: E402
+                          one_rank_gloo, save_json)
 
 CPU = torch.device("cpu")
 
@@ -167,19 +166,6 @@ def count_buckets(base: nn.Module, x: torch.Tensor, cap_mb: float, bucket_view: 
     return {"buckets": len(calls), "bucket_bytes": int(statistics.median(calls)) if calls else 0}
 
 
-def time_block(step: Callable[[], None], steps: int) -> float:
-    """Milliseconds per step over ``steps`` consecutive steps."""
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - start) / steps * 1e3
-    finally:
-        gc.enable()
-
-
 def run(layers: int, width: int, batch: int, rounds: int, steps: int, warmup: int,
         bucket_view: bool = False) -> Dict[str, Any]:
     """Every variant's median step time and extra microseconds per bucket, with the ratios and the machine."""
@@ -202,7 +188,7 @@ def run(layers: int, width: int, batch: int, rounds: int, steps: int, warmup: in
     keys = [v.key for v in VARIANTS]
     for r in range(rounds):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotated: no variant always follows the same one
-            per_round[key].append(time_block(steps_of[key], steps))
+            per_round[key].append(host_us_per_call(steps_of[key], CPU, calls=steps, warmup=0, gc_off=True) / 1e3)
 
     step_ms = {k: statistics.median(ts) for k, ts in per_round.items()}
     # Paired by round: each variant against the no-hook block of its own round (minutes apart at most, while a

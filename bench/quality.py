@@ -56,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ddp_triton  # noqa: E402
-from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, pyplot, write_json  # noqa: E402
+from bench.common import OUT_DIR, PLOT_MISSING, environment, format_table, progress, pyplot, write_json  # noqa: E402
 from ddp_triton.formats import WireFormat  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 from examples.train import synthetic_dataset  # noqa: E402
@@ -283,7 +283,7 @@ def worker(rank: int, world_size: int, store_path: str, out_path: str, models: L
             run = train(task, fmt, steps[name], rank, world_size)
             results[name]["runs"][fmt] = run
             if rank == 0:
-                print(f"{name} {fmt}: final loss {_final(run['losses'], last):.4f} ({run['seconds']} s)", flush=True)
+                progress(f"{name} {fmt}: final loss {_final(run['losses'], last):.4f} ({run['seconds']} s)")
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     leave_process_group()

@@ -426,6 +426,28 @@ def test_unused_residuals_benchmark_smoke(capsys):
             assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("dropped", "kept", "no error feedback")), row
 
 
+def test_host_us_per_call_gc_off_collects_nothing_while_timing():
+    """``gc_off`` (bench.hook_cost's blocks of steps): the warm-up calls run as usual, the timed ones with the
+    collector off, and it is on again afterwards, also when a timed call raises."""
+    import gc
+
+    import pytest
+    import torch
+
+    common = _import_bench("common")
+    seen = []
+    us = common.host_us_per_call(lambda: seen.append(gc.isenabled()), torch.device("cpu"), calls=5, warmup=2,
+                                 gc_off=True)
+    assert seen == [True, True, False, False, False, False, False] and gc.isenabled() and timed(us)
+
+    def fails():
+        raise RuntimeError("a step failed")
+
+    with pytest.raises(RuntimeError, match="a step failed"):
+        common.host_us_per_call(fails, torch.device("cpu"), calls=3, warmup=0, gc_off=True)
+    assert gc.isenabled()
+
+
 def test_json_text_puts_flat_lists_on_one_line_and_reads_back():
     common = _import_bench("common")
     data = {"curve": [1.5, -2e-07, 3], "words": ["inf", "fp8e4m3+ef"], "kept": ["a, b", "c"],

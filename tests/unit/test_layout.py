@@ -150,10 +150,12 @@ def bench_graph():
     pytest.param("bench.cluster.__main__", {"bench.cluster.cli"}, id="cluster.__main__"),
     pytest.param("bench.ddp_models", set(), id="ddp_models"),
     pytest.param("bench.ddp_profile", {"bench.common"}, id="ddp_profile"),
+    pytest.param("bench.ddp_trace", {"bench.common", "bench.ddp_profile"}, id="ddp_trace"),
+    pytest.param("bench.listing", set(), id="listing"),
 ])
 def test_bench_modules_import_only_the_layers_below(bench_graph, module, may_import):
-    """bench.cluster in layers, cli > supervisor > network; the DDP step's models and trace analysis know nothing of
-    the benchmark that uses them."""
+    """bench.cluster in layers, cli > supervisor > network; the DDP step's models, its trace's recording and analysis,
+    and the reading of compiled listings know nothing of the benchmark that uses them."""
     imported = {m for m in bench_graph.find_modules_directly_imported_by(module) if m.split(".")[0] == "bench"}
     assert imported <= may_import, sorted(imported - may_import)
 
