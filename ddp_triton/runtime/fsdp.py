@@ -69,6 +69,7 @@ from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .collective_errors import run_collective
 from .wire_exchanges import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
+from .fsdp_state import FSDPCommState, param_groups
 from .residuals import LayoutResiduals
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
@@ -156,7 +157,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
 
     def chunk_sizes(self) -> List[int]:
         """Elements of each parameter's chunk in one row of FSDP's input, in its order (its dim-0-padded shard)."""
-        groups = _param_groups(self.module)
+        groups = param_groups(self.module)
         return [p.padded_sharded_param_size.numel() for p in groups[0].fsdp_params] if groups else []
 
     def _block_fp8(self, output: torch.Tensor, input_tensor: torch.Tensor, group: Any, n: int, scale: float) -> None:
@@ -196,7 +197,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             multiplier = getattr(op, "factor", None)  # what the sum is multiplied by
             if isinstance(multiplier, float) and multiplier > 0:
                 return 1.0 / multiplier
-            groups = _param_groups(self.module)
+            groups = param_groups(self.module)
             factor = groups[0].gradient_divide_factor if groups else None
             if factor:
                 return float(factor)
@@ -284,117 +285,6 @@ def _run(exchange: Any, subject: str) -> None:
     exchange.finish()
 
 
-#: Version of the dict ``FSDPCommState.state_dict`` returns; a newer one is refused on load.
-STATE_DICT_VERSION = 1
-
-
-class FSDPCommState:
-    """What ``register`` set: the wire formats, each FSDP module's reduce-scatter and, with a replicate group, its
-    replica hop; for FP8 with error feedback, the residuals' checkpoint (``state_dict`` / ``load_state_dict``)."""
-
-    def __init__(self, wire: WireFormat, comms: List[WireReduceScatter], model: torch.nn.Module, shard_ranks: int,
-                 replica_wire: Optional[WireFormat] = None, replica_hooks: Optional[List[ReplicaAverage]] = None
-                 ) -> None:
-        self.wire = wire
-        self.comms = comms
-        self.replica_wire = replica_wire
-        self.replica_hooks = replica_hooks or []
-        self.shard_ranks = shard_ranks
-        """Ranks each FSDP group reduce-scatters over (the world, or its share of it with replicas)."""
-        self._names = {id(p): name for name, p in model.named_parameters()}
-        self._module_names = {id(m): name for name, m in model.named_modules()}
-
-    def _params(self, comm: WireReduceScatter) -> List[Any]:
-        """(name, chunk elements) of ``comm``'s parameters, in FSDP's input order."""
-        groups = _param_groups(comm.module)
-        params = groups[0].fsdp_params if groups else []
-        return [(self._names[id(p.sharded_param)], p.padded_sharded_param_size.numel()) for p in params]
-
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's error-feedback residuals by parameter name (each flat, its dim-0-padded shape's elements),
-        to save with this rank's shard of the model and optimizer; empty without error feedback."""
-        residuals: Dict[str, torch.Tensor] = {}
-        for comm in self.comms:
-            if comm.residual is None:
-                continue
-            rows = comm.residual.view(self.shard_ranks, -1)
-            offset = 0
-            for name, size in self._params(comm):
-                residuals[name] = rows[:, offset:offset + size].reshape(-1).clone().cpu()
-                offset += size
-        replica: Dict[str, Dict[str, torch.Tensor]] = {}
-        for hook in self.replica_hooks:
-            if hook.residuals is not None:
-                replica[self._module_names[id(hook.comm.module)]] = {
-                    "first": hook.residuals.first.clone().cpu(), "second": hook.residuals.second.clone().cpu()}
-        return {"version": STATE_DICT_VERSION, "wire_format": self.wire.name, "replica_wire_format":
-                None if self.replica_wire is None else self.replica_wire.name, "rank": dist.get_rank(),
-                "world_size": dist.get_world_size(), "residuals": residuals, "replica_residuals": replica}
-
-    def load_state_dict(self, saved: Dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned on this rank. Everything is checked first (format, rank and world
-        size, names, sizes, dtype); one ValueError names the mismatch and nothing changes."""
-        if not isinstance(saved, dict) or not isinstance(saved.get("version"), int):
-            raise ValueError(f"an FSDP state_dict of ddp_triton is a dict with a version, got {type(saved).__name__}")
-        if saved["version"] > STATE_DICT_VERSION:
-            raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads up to "
-                             f"{STATE_DICT_VERSION}")
-        here = {"wire_format": self.wire.name, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "replica_wire_format": None if self.replica_wire is None else self.replica_wire.name}
-        for key, value in here.items():
-            if saved.get(key) != value:
-                raise ValueError(f"the saved residuals are for {key}={saved.get(key)!r}, this state has {value!r}")
-        given = saved.get("residuals")
-        if not isinstance(given, dict):
-            raise ValueError("the saved state has no residuals dict")
-        known = {name: (comm, size) for comm in self.comms for name, size in self._params(comm)}
-        for name, value in given.items():
-            if name not in known:
-                raise ValueError(f"the saved residuals name a parameter {name!r} this model does not have")
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-                raise ValueError(f"the saved residual of {name} is not a float32 tensor")
-            if value.numel() != known[name][1] * self.shard_ranks:
-                raise ValueError(f"the saved residual of {name} has {value.numel()} elements; its padded shape has "
-                                 f"{known[name][1] * self.shard_ranks}")
-        replica = saved.get("replica_residuals") or {}
-        hooks = {self._module_names[id(h.comm.module)]: h for h in self.replica_hooks}
-        for module_name, parts in replica.items():
-            if module_name not in hooks:
-                raise ValueError(f"the saved replica residuals name a module {module_name!r} without a replica hop")
-            fresh = hooks[module_name].new_residuals(torch.device("cpu"))
-            for part in ("first", "second"):
-                value = parts.get(part) if isinstance(parts, dict) else None
-                want = getattr(fresh, part)
-                if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != want.shape:
-                    raise ValueError(f"the saved replica residual {part!r} of module {module_name!r} is not a "
-                                     f"float32 tensor of {want.numel()} elements")
-        for comm in self.comms:
-            params = self._params(comm)
-            if not any(name in given for name, _ in params):
-                comm.residual = None
-                continue
-            device = next(iter(comm.module.parameters())).device
-            rows = torch.zeros(self.shard_ranks, sum(size for _, size in params), device=device)
-            offset = 0
-            for name, size in params:
-                if name in given:
-                    rows[:, offset:offset + size].copy_(given[name].view(self.shard_ranks, size))
-                offset += size
-            comm.residual = rows.view(-1)
-        for name, hook in hooks.items():
-            if name not in replica:
-                hook.residuals = None
-                continue
-            device = next(iter(hook.comm.module.parameters())).device
-            hook.residuals = hook.new_residuals(device)
-            hook.residuals.first.copy_(replica[name]["first"])
-            hook.residuals.second.copy_(replica[name]["second"])
-
-    @property
-    def calls(self) -> int:
-        return sum(c.calls for c in self.comms)
-
-
 def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
              accumulate_dtype: Optional[torch.dtype] = torch.float32, error_feedback: Optional[bool] = None,
              replicate_group: Any = None, replicate_comm_dtype: torch.dtype = torch.bfloat16,
@@ -444,16 +334,6 @@ def _module_label(name: str, module: Any) -> str:
     return repr(name) if name else f"{type(module).__name__} (the root)"
 
 
-def _param_groups(module: Any) -> List[Any]:
-    """The FSDP parameter groups of ``module``: a list in newer torch, one or None in 2.9 and 2.10."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        one = getattr(state, "_fsdp_param_group", None)
-        groups = [] if one is None else [one]
-    return list(groups)
-
-
 def _is_native_hsdp(module: Any) -> bool:
     """Whether FSDP all-reduces ``module``'s replicas itself (it was sharded on a 2-D mesh)."""
-    return any(getattr(group, "_is_hsdp", False) for group in _param_groups(module))
+    return any(getattr(group, "_is_hsdp", False) for group in param_groups(module))
