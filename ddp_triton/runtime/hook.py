@@ -23,12 +23,13 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _profiler
 
 from ..formats import average_factors
 from ..kernels import SUPPORTED_DTYPES
 from ..log import logger
 from .grad_stats import note_bucket
-from .state import CommState
+from .state import STALE_AFTER, CommState
 from .telemetry import watch as watch_bucket
 
 
@@ -46,18 +47,23 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
         state = default_state(state)
     buffer = bucket.buffer()
     plan = state.plans.get(id(buffer))
-    if plan is None or not plan.valid:  # new, or its residuals moved to another layout: bind (again)
-        plan = state.plan_for(buffer, bucket)
+    if plan is None or (plan.residuals is not None and not plan.residuals.alive):
+        plan = state.plan_for(buffer, bucket)  # new, or its residuals moved to another layout: bind (again)
     plan.record.last_used = state.passes
     last = bucket.is_last()
     if last:
-        state.count_pass()
+        state.passes += 1
+        if state.passes % STALE_AFTER == 0:
+            state.drop_stale_plans()
     if state.grad_stats:
         note_bucket(plan, last, state.latest_pass)  # which gradients the pass's statistics cover (grad_stats.py)
-    watch = watch_bucket(state.timing, plan)  # None unless a profiler records or state.timing (telemetry.py)
-    if watch is None:
-        return plan.run(last)
-    return plan.run_watched(last, watch)
+    # A profiler recording (torch's Python flag, or this thread's state) or state.timing: ranges and timing marks
+    # around the bucket's phases (telemetry.py); otherwise the plain path, with no call to decide it.
+    if state.timing or getattr(_profiler, "_is_profiler_enabled", False) or torch.autograd._profiler_enabled():
+        watch = watch_bucket(state.timing, plan)
+        if watch is not None:
+            return plan.run_watched(last, watch)
+    return plan.run(last)
 
 
 def average_grad(state: Any, grad: torch.Tensor) -> Any:

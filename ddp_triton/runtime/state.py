@@ -28,7 +28,7 @@ _PICKLED = ("version", "comm_dtype", "profile", "on_default_group", "accumulate_
             "hierarchical", "grad_stats", "timing")
 
 # Plans unused for this many backward passes are dropped (old buckets after DDP's rebuild, join()'s shadow buckets).
-_STALE_AFTER = 4
+STALE_AFTER = 4
 
 
 @dataclass(eq=False)
@@ -166,12 +166,10 @@ class CommState:
             plan = self.plans[id(buffer)] = plan_bucket(buffer, bucket, self.context)
         return plan
 
-    def count_pass(self) -> None:
-        """At a backward's last bucket: count the pass and, now and then, drop plans gone stale."""
-        self.passes += 1
-        if self.passes % _STALE_AFTER == 0:
-            oldest = self.passes - _STALE_AFTER
-            self.plans = {key: plan for key, plan in self.plans.items() if plan.record.last_used >= oldest}
+    def drop_stale_plans(self) -> None:
+        """Drop the plans no bucket used for ``STALE_AFTER`` passes (the hook calls it every ``STALE_AFTER``)."""
+        oldest = self.passes - STALE_AFTER
+        self.plans = {key: plan for key, plan in self.plans.items() if plan.record.last_used >= oldest}
 
     def latest_pass(self) -> List[Plan]:
         """The plans of the latest backward pass counted."""

@@ -14,6 +14,7 @@ them over the cross group.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -63,9 +64,9 @@ def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: 
                         pack: Callable[[], None], unpack: Callable[[], None]) -> StagedExchange:
     """One all-reduce as a one-stage exchange (pack, all-reduce of ``wire_buffer`` with ``op``, unpack), for a state
     whose buckets mix formats: through the queue, it keeps its place in its group's one order."""
-    opts = all_reduce_options(op)
-    tensors = [wire_buffer]
-    stage = Stage("pack", pack, "all_reduce", lambda: group.allreduce(tensors, opts), group)
+    # The process group's own call, bound with its arguments once: nothing of the project's between the plan and it.
+    issue = functools.partial(group.allreduce, [wire_buffer], all_reduce_options(op))
+    stage = Stage("pack", pack, "all_reduce", issue, group)
     return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
 
 
