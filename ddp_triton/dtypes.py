@@ -52,8 +52,3 @@ def torch_dtype(dtype: Any) -> Any:
     import torch
 
     return getattr(torch, normalize_dtype(dtype))
-
-
-def comm_dtypes() -> Tuple[Any, ...]:
-    """``COMM_DTYPE_NAMES`` as torch dtypes; imports torch."""
-    return tuple(torch_dtype(name) for name in COMM_DTYPE_NAMES)
