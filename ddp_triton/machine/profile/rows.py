@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...dtypes import normalize_dtype
@@ -14,16 +14,6 @@ from ..cost_model import ALGORITHMS, PROTOCOLS
 from .format_rule import TimingStats
 
 _FORMATS_FIELDS = ("source", "allowed", "admitted", "table", "rows", "host", "notes")
-_FORMAT_RANGE_FIELDS = ("min_bytes", "max_bytes", "format", "reason")
-_FORMAT_ROW_FIELDS = ("bytes", "format", "time_us", "model_us", "interval_us", "samples")
-_TABLE_FIELDS = ("min_bytes", "max_bytes", "algorithm", "protocol")
-_SWEEP_FIELDS = ("bytes", "algorithm", "time_us", "algbw_gbps", "busbw_gbps", "dtype", "protocol")
-
-
-def _object(d: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{what} must be an object, got {d!r}")
-    return d
 
 
 def _refuse_unknown(d: Mapping[str, Any], known: Sequence[str], where: str) -> None:
@@ -71,8 +61,32 @@ def _int(x: Any, name: str, where: str, minimum: int = 0) -> int:
     return x
 
 
+class _JsonRow:
+    """What every row and range shares: its JSON object holds its fields in order, ``nbytes`` spelt ``bytes``; a
+    field without a default is required (KeyError naming it), a missing optional one takes its default."""
+
+    what = "row"
+    """The row's name in error messages."""
+
+    @classmethod
+    def json_fields(cls) -> Tuple[str, ...]:
+        return tuple("bytes" if f.name == "nbytes" else f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    def to_dict(self) -> Dict[str, Any]:
+        values = (getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in zip(self.json_fields(), values)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Any:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{cls.what} must be an object, got {d!r}")
+        kwargs = {f.name: d[key] for f, key in zip(fields(cls), cls.json_fields())  # type: ignore[arg-type]
+                  if f.default is MISSING or key in d}
+        return cls(**kwargs)
+
+
 @dataclass
-class SweepRow:
+class SweepRow(_JsonRow):
     """One timed (or modelled) all-reduce: size, algorithm and what it cost."""
 
     nbytes: int
@@ -85,9 +99,10 @@ class SweepRow:
     """Element type of the message; None means the profile's comm_dtype."""
     protocol: Optional[str] = None
     """NCCL protocol the model predicts; None when measured (NCCL chose)."""
+    what = "sweep row"
 
     def __post_init__(self) -> None:
-        where = "sweep row"
+        where = self.what
         self.nbytes = _int(self.nbytes, "bytes", where, 1)
         _check_algorithm(self.algorithm, where)
         self.time_us = _finite_nonneg(self.time_us, "time_us", where)
@@ -97,20 +112,9 @@ class SweepRow:
             self.dtype = normalize_dtype(self.dtype)
         _check_protocol(self.protocol, where)
 
-    def to_dict(self) -> Dict[str, Any]:
-        return {"bytes": self.nbytes, "algorithm": self.algorithm, "time_us": self.time_us,
-                "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps, "dtype": self.dtype,
-                "protocol": self.protocol}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SweepRow":
-        d = _object(d, "sweep row")
-        return cls(nbytes=d["bytes"], algorithm=d["algorithm"], time_us=d["time_us"], algbw_gbps=d["algbw_gbps"],
-                   busbw_gbps=d["busbw_gbps"], dtype=d.get("dtype"), protocol=d.get("protocol"))
-
 
 @dataclass
-class TableEntry:
+class TableEntry(_JsonRow):
     """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algorithm``."""
 
     min_bytes: int
@@ -118,22 +122,12 @@ class TableEntry:
     algorithm: str
     protocol: Optional[str] = None
     """The protocol the model expects NCCL to pick (for the tuner CSV); None when unknown."""
+    what = "table entry"
 
     def __post_init__(self) -> None:
-        where = "table entry"
-        _bounds(self, where)
-        _check_algorithm(self.algorithm, where)
-        _check_protocol(self.protocol, where)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "algorithm": self.algorithm,
-                "protocol": self.protocol}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TableEntry":
-        d = _object(d, "table entry")
-        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], algorithm=d["algorithm"],
-                   protocol=d.get("protocol"))
+        _bounds(self, self.what)
+        _check_algorithm(self.algorithm, self.what)
+        _check_protocol(self.protocol, self.what)
 
 
 def _format_name(name: Any, where: str) -> str:
@@ -174,7 +168,7 @@ def size_ranges(sizes: Sequence[int], keys: Sequence[Any]) -> List[Tuple[int, Op
 
 
 @dataclass
-class FormatRow:
+class FormatRow(_JsonRow):
     """One bucket size (gradient bytes) in one wire format: its time, measured or modelled, and the model's."""
 
     nbytes: int
@@ -187,9 +181,10 @@ class FormatRow:
     """The confidence interval on the median (``format_rule.median_interval``); None: a point (modelled)."""
     samples: Optional[int] = None
     """How many timings the median and interval come from; None: a point."""
+    what = "format row"
 
     def __post_init__(self) -> None:
-        where = "format row"
+        where = self.what
         self.nbytes = _int(self.nbytes, "bytes", where, 1)
         self.format = _format_name(self.format, where)
         self.time_us = _finite_nonneg(self.time_us, "time_us", where)
@@ -212,43 +207,22 @@ class FormatRow:
             return TimingStats.point(self.time_us)
         return TimingStats(self.time_us, self.interval_us[0], self.interval_us[1], self.samples or 1)
 
-    def to_dict(self) -> Dict[str, Any]:
-        return {"bytes": self.nbytes, "format": self.format, "time_us": self.time_us, "model_us": self.model_us,
-                "interval_us": None if self.interval_us is None else list(self.interval_us),
-                "samples": self.samples}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRow":
-        d = _object(d, "format row")
-        return cls(nbytes=d["bytes"], format=d["format"], time_us=d["time_us"], model_us=d.get("model_us"),
-                   interval_us=d.get("interval_us"), samples=d.get("samples"))
-
 
 @dataclass
-class FormatRange:
+class FormatRange(_JsonRow):
     """Buckets of ``min_bytes`` to ``max_bytes`` gradient bytes (inclusive; None: no bound) travel in ``format``."""
 
     min_bytes: int
     max_bytes: Optional[int]
     format: str
     reason: str = ""
+    what = "format range"
 
     def __post_init__(self) -> None:
-        where = "format range"
-        _bounds(self, where)
-        self.format = _format_name(self.format, where)
+        _bounds(self, self.what)
+        self.format = _format_name(self.format, self.what)
         if not isinstance(self.reason, str):
-            raise ValueError(f"{where}: reason must be a string, got {self.reason!r}")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes, "format": self.format,
-                "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FormatRange":
-        d = _object(d, "format range")
-        return cls(min_bytes=d["min_bytes"], max_bytes=d["max_bytes"], format=d["format"],
-                   reason=d.get("reason", ""))
+            raise ValueError(f"{self.what}: reason must be a string, got {self.reason!r}")
 
 
 @dataclass
@@ -300,7 +274,8 @@ class FormatChoice:
         if not isinstance(d, Mapping):
             raise ValueError(f"formats must be null or an object, got {d!r}")
         _refuse_unknown(d, _FORMATS_FIELDS, "formats: ")
-        _refuse_unknown_in_lists(d, (("table", _FORMAT_RANGE_FIELDS), ("rows", _FORMAT_ROW_FIELDS)), "formats.")
+        _refuse_unknown_in_lists(d, (("table", FormatRange.json_fields()), ("rows", FormatRow.json_fields())),
+                                 "formats.")
         try:
             return cls(source=d["source"], allowed=d["allowed"], admitted=d["admitted"], table=d["table"],
                        rows=d.get("rows") or [], host=d.get("host", ""), notes=d.get("notes") or [])

@@ -64,8 +64,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 from ...dtypes import normalize_dtype
 from ...safe_write import OutputError, atomic_write_text
 from ..cost_model import ALGORITHMS, Calibration
-from .rows import (_SWEEP_FIELDS, _TABLE_FIELDS, FormatChoice, SweepRow, TableEntry, _contiguous, _int,
-                   _refuse_unknown, _refuse_unknown_in_lists)
+from .rows import FormatChoice, SweepRow, TableEntry, _contiguous, _int, _refuse_unknown, _refuse_unknown_in_lists
 
 SCHEMA_VERSION = 3
 SOURCES = ("model", "measured", "e2e")
@@ -256,7 +255,7 @@ class Profile:
             raise ProfileError(f"a profile of schema_version {version!r}; this ddp-triton reads schema_version "
                                f"{SCHEMA_VERSION} only: re-run `ddp-triton autotune` to write it again")
         _refuse_unknown(d, _PROFILE_FIELDS, "")
-        _refuse_unknown_in_lists(d, (("table", _TABLE_FIELDS), ("sweep", _SWEEP_FIELDS)), "")
+        _refuse_unknown_in_lists(d, (("table", TableEntry.json_fields()), ("sweep", SweepRow.json_fields())), "")
         notes = d.get("notes") or []
         try:
             return cls(

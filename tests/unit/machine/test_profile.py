@@ -513,9 +513,8 @@ def test_a_calibration_round_trips_in_a_profile(tmp_path):
 
 
 def test_every_field_written_is_known(h100x2):
-    from ddp_triton.machine.profile.rows import _SWEEP_FIELDS, _TABLE_FIELDS
     from ddp_triton.machine.profile.schema import _PROFILE_FIELDS
 
     d = h100x2[1].to_dict()
     assert set(d) == set(_PROFILE_FIELDS)
-    assert set(d["table"][0]) == set(_TABLE_FIELDS) and set(d["sweep"][0]) == set(_SWEEP_FIELDS)
+    assert set(d["table"][0]) == set(TableEntry.json_fields()) and set(d["sweep"][0]) == set(SweepRow.json_fields())
