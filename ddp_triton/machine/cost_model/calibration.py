@@ -17,6 +17,7 @@ This module is data and validation only (the profile schema stores a ``Calibrati
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
@@ -29,15 +30,20 @@ BORROWS_FROM = {"nvls_tree": "nvls"}
 #: sweep of another machine, a broken measurement), and would turn every prediction made from it into nonsense.
 SCALE_BOUNDS = (1e-3, 1e3)
 
-_ALG_FIELDS = ("latency_scale", "bandwidth_scale", "rms_log_error", "points")
-_FIELDS = ("algorithms", "ranks_per_node", "nodes", "arch", "intra_link", "backend", "node_fingerprint")
-
 
 def _scale(x: Any, name: str) -> float:
     lo, hi = SCALE_BOUNDS
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo <= x <= hi:
         raise ValueError(f"calibration: {name} must be a number in [{lo:g}, {hi:g}], got {x!r}")
     return float(x)
+
+
+def _from_object(cls: Any, d: Mapping[str, Any]) -> Any:
+    """``cls(**d)`` for a JSON object ``d`` holding some of ``cls``'s fields; ValueError naming the unknown ones."""
+    unknown = sorted(set(map(str, d)) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"calibration: unknown field(s) {', '.join(map(repr, unknown))}")
+    return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -65,18 +71,13 @@ class AlgorithmCalibration:
             raise ValueError(f"calibration: points must be an int >= 0, got {self.points!r}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"latency_scale": self.latency_scale, "bandwidth_scale": self.bandwidth_scale,
-                "rms_log_error": self.rms_log_error, "points": self.points}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AlgorithmCalibration":
         if not isinstance(d, Mapping):
             raise ValueError(f"calibration: an algorithm's entry must be an object, got {d!r}")
-        unknown = sorted(set(map(str, d)) - set(_ALG_FIELDS))
-        if unknown:
-            raise ValueError(f"calibration: unknown field(s) {', '.join(map(repr, unknown))}")
-        return cls(latency_scale=d.get("latency_scale", 1.0), bandwidth_scale=d.get("bandwidth_scale", 1.0),
-                   rms_log_error=d.get("rms_log_error"), points=d.get("points", 0))
+        return _from_object(cls, d)
 
 
 @dataclass(frozen=True)
@@ -139,21 +140,11 @@ class Calibration:
         return "\n".join(lines)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"algorithms": {k: v.to_dict() for k, v in self.algorithms.items()},
-                "ranks_per_node": self.ranks_per_node, "nodes": self.nodes, "arch": self.arch,
-                "intra_link": self.intra_link, "backend": self.backend, "node_fingerprint": self.node_fingerprint}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
         """Build and validate; ValueError naming what is wrong (unknown fields are refused by name)."""
         if not isinstance(d, Mapping):
             raise ValueError(f"calibration must be an object, got {type(d).__name__}")
-        unknown = sorted(set(map(str, d)) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"calibration: unknown field(s) {', '.join(map(repr, unknown))}")
-        algs = d.get("algorithms", {})
-        if not isinstance(algs, Mapping):
-            raise ValueError(f"calibration: algorithms must be an object, got {algs!r}")
-        return cls(algorithms=dict(algs), ranks_per_node=d.get("ranks_per_node", 0), nodes=d.get("nodes", 1),
-                   arch=d.get("arch", "unknown"), intra_link=d.get("intra_link", "nvlink"),
-                   backend=d.get("backend", "nccl"), node_fingerprint=d.get("node_fingerprint", ""))
+        return _from_object(cls, d)
