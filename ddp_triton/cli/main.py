@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the hook follows it with comm_dtype='auto'")
     mode.add_argument("--format-error", type=fraction, default=None, metavar="FRACTION",
                       help="--formats in measure mode: time each format until its median is known within this "
-                           f"fraction ({CONFIDENCE:.0%} interval; default {DEFAULT_REL_ERROR:g})")
+                           f"fraction ({CONFIDENCE * 100:.0f}%% interval; default {DEFAULT_REL_ERROR:g})")
     mode.add_argument("--format-budget", type=nonneg_float, default=None, metavar="SECONDS",
                       help="--formats in measure mode: seconds the format timings may take, all sizes together "
                            f"(each still gets its first {MIN_ROUNDS} rounds; default {DEFAULT_BUDGET_S:g})")
