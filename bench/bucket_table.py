@@ -1,6 +1,6 @@
 """The DDP bucket size the cost model picks for each preset at 1, 4 and 16 nodes, beside DDP's default 25 MB.
 
-    python -m bench.bucket_table                       # markdown table (the README's)
+    python -m bench.bucket_table                       # markdown table (docs/autotune.md's)
     python -m bench.bucket_table --nodes 1,2,8 --inter-node-gbps 25
 
 For each preset and node count: ``ddp-triton autotune --model-only`` (``machine.profile.model_profile``, bfloat16 on

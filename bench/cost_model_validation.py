@@ -1,4 +1,4 @@
-"""The cost model against published nccl-tests all-reduce results: the README's validation table.
+"""The cost model against published nccl-tests all-reduce results: the validation table in docs/autotune.md.
 
     python -m bench.cost_model_validation              # markdown table: measured, model, ratio per size
     python -m bench.cost_model_validation --calibrated # ... and the ratio after calibrating on each run's sweep
@@ -93,7 +93,8 @@ def _size(n: int) -> str:
 
 
 def markdown(systems: List[Dict[str, Any]], rows: List[Dict[str, Any]], calibrated: bool) -> str:
-    """The README's table: a row per system, a cell per validated size ("measured / model = ratio")."""
+    """The validation table (docs/autotune.md): a row per system, a cell per validated size ("measured / model =
+    ratio")."""
     table = []
     for system in systems:
         cells = {r["bytes"]: r for r in rows if r["system"] == system["id"]}

@@ -219,8 +219,8 @@ def variants_to_run(variants: str, backend: str, notes: List[str], device: torch
 
 def captured_step(base: nn.Module, loss: Callable[[nn.Module], torch.Tensor], device: torch.device, gabv: bool,
                   options: Dict[str, Any]) -> Callable[[], None]:
-    """The whole step with triton_hook captured in one CUDA graph, by torch's recipe for DDP (README, "The whole
-    step in one CUDA graph"): DDP built on the capture stream, eager warm-up, then capture; returns the replay."""
+    """The whole step with triton_hook captured in one CUDA graph, by torch's recipe for DDP (docs/cuda-graphs.md):
+    DDP built on the capture stream, eager warm-up, then capture; returns the replay."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):

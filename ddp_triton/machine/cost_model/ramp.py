@@ -21,8 +21,8 @@ messages, for reasons its own code shows; this module charges them:
    synchronisation (``NVLS_CHUNK_SYNC_US``), and a node's proxies post the chunks that cross the network no faster
    than one per ``NET_CHUNK_OVERHEAD_US`` each.
 
-Held against published nccl-tests sweeps (tests/unit/machine/test_cost_model_validation.py; the table is in the README,
-"Cost model") this is within 1.3x at 1 MiB and above on the five systems the validation requires, except 1.35x at
+Held against published nccl-tests sweeps (tests/unit/machine/test_cost_model_validation.py; the table is in
+docs/autotune.md) this is within 1.3x at 1 MiB and above on the five systems the validation requires, except 1.35x at
 two points; multi-node trees at 16 MiB on 4 and 8 nodes remain 1.4 and 1.9x optimistic, as NCCL's own estimate is.
 """
 

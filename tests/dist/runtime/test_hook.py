@@ -341,7 +341,7 @@ def test_float16_split_is_a_power_of_two_within_the_stated_bound(n):
     assert math.frexp(pre)[0] == 0.5, f"pre {pre} is not a power of two"
     if n & (n - 1) == 0:  # a power-of-two world size: both factors exact
         assert math.frexp(post)[0] == 0.5 and pre * post * n == 1.0
-    # The README's bound: a sum over N ranks grows at most sqrt(2N) times, a gradient shrinks at most sqrt(2N)
+    # The bound in docs/formats.md: a sum over N ranks grows at most sqrt(2N) times, a gradient shrinks at most sqrt(2N)
     # times before the wire (32x each at N = 1024).
     assert n * pre <= math.sqrt(2 * n) and 1 / pre <= math.sqrt(2 * n)
     if n == 1024:

@@ -185,7 +185,7 @@ def test_autotune_model_only_with_a_calibration(env, tmp_path, capsys):
 
 
 def test_autotune_model_only_wire_formats(env, capsys):
-    # FP8 on 4 nodes x 1 GPU over 100 Gb/s (12.5 GB/s): the README's example.
+    # FP8 on 4 nodes x 1 GPU over 100 Gb/s (12.5 GB/s): the example in docs/autotune.md.
     assert main(["autotune", "--model-only", "--topology", "h200-vm-1gpu", "--nodes", "4", "--inter-node-gbps",
                  "12.5", "--wire-formats", "--no-cache"]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ were read: bench/published/nccl_allreduce_published.md). What the model is asked
 imported from bench/: the algorithm the run forced (NCCL_ALGO), else the (algorithm, protocol) NCCL's own estimate
 picks (``nccl_choice``), timed by the model; a run whose one process drove every GPU (nccl-tests -g N) is no faster
 than its smallest published time, its launch floor. ``python -m bench.cost_model_validation`` prints the same
-numbers as the README's table.
+numbers as the table in docs/autotune.md.
 
 Tier: no device (pure Python).
 """
@@ -106,7 +106,7 @@ def test_the_ramp_is_closer_than_nccls_own_estimate():
 
 
 def test_the_readme_table_shows_these_numbers():
-    # bench.cost_model_validation prints the README's table; it must ask the model what this test asks.
+    # bench.cost_model_validation prints the table in docs/autotune.md; it must ask the model what this test asks.
     import sys
 
     repo = str(Path(__file__).resolve().parents[3])

@@ -12,8 +12,8 @@ from ddp_triton.formats import preference_key, sorted_by_preference
 from ddp_triton.machine.profile import (FormatRow, TimingStats, admitted_formats, choose_format, choose_formats,
                                         decide_format, median_interval)
 
-# The order of the README's accuracy table, most accurate first (bf16 + fp32 sums, bf16; fp16 overflows; FP8 with
-# error feedback before without), flat before two-level.
+# The order of the accuracy table (README, docs/formats.md), most accurate first (bf16 + fp32 sums, bf16; fp16
+# overflows; FP8 with error feedback before without), flat before two-level.
 ACCURACY_ORDER = ["fp32", "two-level fp32", "bf16+fp32sum", "bf16", "two-level bf16", "fp16+fp32sum", "fp16",
                   "fp8e4m3+ef", "two-level fp8e4m3+ef", "fp8e5m2+ef", "fp8e4m3", "fp8e5m2"]
 

@@ -83,7 +83,7 @@ def test_all_reduce_formats_are_the_hooks_all_reduce():
 
 def test_fp8_wins_across_nodes_with_one_gpu_each():
     # 4 nodes x 1 GPU over 100 Gb/s: every byte crosses the slow link, and FP8 sends half of bf16's; the two
-    # collectives' latencies are small beside it. README, "Cost model".
+    # collectives' latencies are small beside it. docs/autotune.md, "The cost model".
     f = fabric("h200-vm-1gpu", 4, inter=12.5)
     n = 64 << 20 >> 2  # a 64 MiB bucket of float32 gradients
     times = {w: cm.wire_format_time_us(f, n, w) for w in TRAFFIC}
