@@ -18,32 +18,29 @@ one node's measurement (``--calibration``) or from public figures alone.
 Units: bytes, microseconds, GB/s (10^9 bytes per second, as nccl-tests prints).
 """
 
-from ...dtypes import normalize_dtype
-from ...versions import parse_nccl_version
 from .calibration import AlgorithmCalibration, Calibration
 from .fabric import (ALGORITHMS, MIN_NCCL_VERSION, NCCL_ALGO_NAMES, PROTOCOLS, Estimate, Fabric, Layout, algbw_gbps,
                      algorithm_unavailable_reason, available_algorithms, busbw_factor, busbw_gbps, default_sizes)
 from .fit import fit_algorithm, fit_calibration
-from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, NET_OVERHEAD_US, NVLS_ALGBW_FRACTION, SINGLE_RANK_US, comm_channels,
-                   graph_channels, nccl_protocol, nccl_protocol_time_us, nvls_chunk_bytes)
+from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, comm_channels, graph_channels, nccl_protocol,
+                   nccl_protocol_time_us, nvls_chunk_bytes)
 from .nccl import _latency_us  # noqa: F401 (NCCL's latency, which the tests check by hand)
-from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NET_CHUNK_OVERHEAD_US, NVLS_CHUNK_SYNC_US, best,
-                   estimate, nccl_choice, protocol_time_us, ring_windows, sweep)
+from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NVLS_CHUNK_SYNC_US, best, estimate, nccl_choice,
+                   protocol_time_us, ring_windows, sweep)
 from .wire import (CPU_HOST_COST, GPU_HOST_COST, HostCost, all_gather_time_us, all_to_all_time_us, bucket_time_us,
                    collectives_of, host_time_us, two_level_node_bytes, two_level_part, two_level_time_us, wire_bytes,
                    wire_collectives, wire_format_time_us)
 
 __all__ = [
-    # vocabulary (fabric.py; dtypes and NCCL versions from the base modules)
+    # vocabulary (fabric.py)
     "ALGORITHMS", "MIN_NCCL_VERSION", "NCCL_ALGO_NAMES", "PROTOCOLS", "Estimate", "Fabric", "Layout", "algbw_gbps",
     "algorithm_unavailable_reason", "available_algorithms", "busbw_factor", "busbw_gbps", "default_sizes",
-    "normalize_dtype", "parse_nccl_version",
     # NCCL's own model (nccl.py)
-    "BASE_LATENCY_US", "HW_LATENCY_US", "NET_OVERHEAD_US", "NVLS_ALGBW_FRACTION", "SINGLE_RANK_US", "comm_channels",
-    "graph_channels", "nccl_protocol", "nccl_protocol_time_us", "nvls_chunk_bytes",
+    "BASE_LATENCY_US", "HW_LATENCY_US", "SINGLE_RANK_US", "comm_channels", "graph_channels", "nccl_protocol",
+    "nccl_protocol_time_us", "nvls_chunk_bytes",
     # the ramp (ramp.py)
-    "AMPERE_NVLINK_STEP_US", "AMPERE_RING_LL_FACTOR", "NET_CHUNK_OVERHEAD_US", "NVLS_CHUNK_SYNC_US", "best",
-    "estimate", "nccl_choice", "protocol_time_us", "ring_windows", "sweep",
+    "AMPERE_NVLINK_STEP_US", "AMPERE_RING_LL_FACTOR", "NVLS_CHUNK_SYNC_US", "best", "estimate", "nccl_choice",
+    "protocol_time_us", "ring_windows", "sweep",
     # calibration (calibration.py, fit.py)
     "AlgorithmCalibration", "Calibration", "fit_algorithm", "fit_calibration",
     # the wire of each format's traffic (wire.py; the formats themselves are ddp_triton.formats)

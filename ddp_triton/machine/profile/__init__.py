@@ -13,19 +13,17 @@ from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BU
                     cached_or_model_profile, calibrate, check_calibration_fits, choose_bucket_cap_mb,
                     fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
 from .cache import cache_dir, cache_path, check_cache_writable, find_cached_profile, profile_fingerprint, save_to_cache
-from .format_rule import (CONFIDENCE, SWITCH_TOLERANCE, FormatDecision, TimingStats, choose_format, decide_format,
-                          median_interval, significantly_faster)
+from .format_rule import (CONFIDENCE, TimingStats, choose_format, decide_format, median_interval,
+                          significantly_faster)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
                       format_choice, model_format_choice, ring_error, runs_flat)
 from .rows import FormatChoice, FormatRange, FormatRow, SweepRow, TableEntry
-from .schema import (AUTO_FORMAT, DEFAULT_MIN_BUCKETS, SCHEMA_VERSION, SOURCES, MiB, Profile, ProfileError, ddp_kwargs,
-                     format_bytes, load_profile, now_iso)
+from .schema import (AUTO_FORMAT, DEFAULT_MIN_BUCKETS, MiB, Profile, ProfileError, ddp_kwargs, format_bytes,
+                     load_profile, now_iso)
 
 __all__ = [
     "AUTO_FORMAT",
     "CONFIDENCE",
-    "SWITCH_TOLERANCE",
-    "FormatDecision",
     "TimingStats",
     "choose_format",
     "decide_format",
@@ -50,8 +48,6 @@ __all__ = [
     "MiB",
     "Profile",
     "ProfileError",
-    "SCHEMA_VERSION",
-    "SOURCES",
     "SweepRow",
     "TableEntry",
     "build_table",

@@ -8,21 +8,17 @@
 - `launch_env`: `apply_launch_env` fits a topology to the job as launched (nodes, GPUs per node).
 """
 
-from .gpu import (GPU, NVLINK_GBPS_BY_ARCH, NVLINK_GBPS_BY_NVML_VERSION, TopologyError, cpu_affinity_from_words,
-                  format_cpu_ranges, gpu_arch)
+from .gpu import GPU, TopologyError, cpu_affinity_from_words, format_cpu_ranges
 from .launch_env import apply_launch_env
 from .loader import load_topology
-from .model import LEGEND, SOURCES, Topology, build_matrix
+from .model import LEGEND, Topology, build_matrix
 from .nvml import from_nvml
 from .presets import PRESETS, load_preset
 
 __all__ = [
     "GPU",
     "LEGEND",
-    "NVLINK_GBPS_BY_ARCH",
-    "NVLINK_GBPS_BY_NVML_VERSION",
     "PRESETS",
-    "SOURCES",
     "Topology",
     "TopologyError",
     "apply_launch_env",
@@ -30,7 +26,6 @@ __all__ = [
     "cpu_affinity_from_words",
     "format_cpu_ranges",
     "from_nvml",
-    "gpu_arch",
     "load_preset",
     "load_topology",
 ]

@@ -397,17 +397,21 @@ def test_default_sizes():
     pytest.param(None, None, id="none"),
 ])
 def test_parse_nccl_version(raw, expected):
-    assert cm.parse_nccl_version(raw) == expected
+    from ddp_triton.versions import parse_nccl_version
+
+    assert parse_nccl_version(raw) == expected
 
 
 def test_normalize_dtype():
     import torch
 
-    assert cm.normalize_dtype(torch.bfloat16) == "bfloat16"
-    assert cm.normalize_dtype("bf16") == "bfloat16"
-    assert cm.normalize_dtype("torch.float32") == "float32"
+    from ddp_triton.dtypes import normalize_dtype
+
+    assert normalize_dtype(torch.bfloat16) == "bfloat16"
+    assert normalize_dtype("bf16") == "bfloat16"
+    assert normalize_dtype("torch.float32") == "float32"
     with pytest.raises(ValueError, match="complex64"):
-        cm.normalize_dtype("complex64")
+        normalize_dtype("complex64")
     assert math.isclose(cm.busbw_factor(8), 1.75) and cm.busbw_factor(1) == 0.0
 
 
