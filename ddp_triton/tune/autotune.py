@@ -16,9 +16,9 @@ import torch.distributed as dist
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
 from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice,
-                               FormatRow, Profile, admitted_formats, cached_or_model_profile, calibrate,
-                               fallback_profile, format_bytes, format_choice, now_iso, profile_from_rows,
-                               rows_for_dtype, save_to_cache)
+                               FormatRow, Profile, admitted_formats, calibrate, fallback_profile, find_cached_profile,
+                               format_bytes, format_choice, model_profile, now_iso, profile_fingerprint,
+                               profile_from_rows, rows_for_dtype, save_to_cache)
 from ..machine.topology import Topology
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
@@ -170,12 +170,18 @@ def calibrate_measured(topo: Any, rows: Sequence[Dict[str, Any]], comm_dtype: st
 
 
 def e2e_base_profile(topo: Any, world_size: int, comm_dtype: str, backend: str, **model_kwargs: Any) -> Profile:
-    """The profile e2e mode starts from: this machine's cached one, else the cost model's, else (no topology, or
-    one the model cannot describe) one ring range with DDP's default bucket size."""
-    base = None if topo is None else cached_or_model_profile(topo, topo.world_size, comm_dtype, **model_kwargs)
-    if base is None:
-        base = fallback_profile(world_size, topo.nodes if topo is not None else 1, comm_dtype, backend)
-    return base
+    """The profile e2e mode starts from: this machine's cached one, else the cost model's (``model_kwargs`` go to
+    ``model_profile``), else (no topology, or one the model cannot describe: several nodes and no inter-node rate,
+    say) one ring range with DDP's default bucket size."""
+    if topo is not None:
+        cached = find_cached_profile(profile_fingerprint(topo), topo.world_size, topo.nodes, comm_dtype)
+        if cached is not None:
+            return cached
+        try:
+            return model_profile(topo, comm_dtype=comm_dtype, **model_kwargs)
+        except ValueError:
+            pass
+    return fallback_profile(world_size, topo.nodes if topo is not None else 1, comm_dtype, backend)
 
 
 def e2e_profile(factory: str, base: Profile, bucket_mbs: Optional[Sequence[float]] = None,

@@ -9,9 +9,9 @@
   ``ddp_triton.formats``').
 """
 
-from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB, build_table,
-                    cached_or_model_profile, calibrate, check_calibration_fits, choose_bucket_cap_mb,
-                    fallback_profile, model_profile, node_fingerprint, profile_from_rows, rows_for_dtype)
+from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB, build_table, calibrate,
+                    check_calibration_fits, choose_bucket_cap_mb, fallback_profile, model_profile, node_fingerprint,
+                    profile_from_rows, rows_for_dtype)
 from .cache import cache_dir, cache_path, check_cache_writable, find_cached_profile, profile_fingerprint, save_to_cache
 from .format_rule import (CONFIDENCE, TimingStats, choose_format, decide_format, median_interval,
                           significantly_faster)
@@ -53,7 +53,6 @@ __all__ = [
     "build_table",
     "cache_dir",
     "cache_path",
-    "cached_or_model_profile",
     "calibrate",
     "check_cache_writable",
     "check_calibration_fits",

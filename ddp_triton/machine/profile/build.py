@@ -1,6 +1,5 @@
-"""Making a profile: the table and bucket size from sweep rows, and a whole profile from rows, from the cost model
-(no GPU needed; calibrated to a measured sweep if given), or from this machine's cache (``cached_or_model_profile``:
-what the hook and ``autotune --e2e`` both start from).
+"""Making a profile: the table and bucket size from sweep rows, and a whole profile from rows or from the cost model
+(no GPU needed; calibrated to a measured sweep if given).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from ...dtypes import dtype_size, normalize_dtype
 from ...versions import software_versions
 from .. import cost_model as cm
 from ..cost_model import ALGORITHMS, Calibration
-from .cache import find_cached_profile, profile_fingerprint
+from .cache import profile_fingerprint
 from .rows import SweepRow, TableEntry, size_ranges
 from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, format_bytes
 
@@ -256,16 +255,3 @@ def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str)
                    world_size=world_size, nodes=nodes, comm_dtype=comm_dtype, bucket_cap_mb=25.0,
                    bucket_reason="no topology to model: DDP's default 25 MiB", table=[TableEntry(0, None, "ring")],
                    versions=software_versions(), notes=["no topology: one range, ring"])
-
-
-def cached_or_model_profile(topo: Any, world_size: int, comm_dtype: str, **model_kwargs: Any) -> Optional[Profile]:
-    """This machine's cached profile for the run (``find_cached_profile``), else the cost model's for ``topo``, else
-    None (the model cannot describe it: several nodes and no inter-node rate, say). ``model_kwargs`` go to
-    ``model_profile``."""
-    cached = find_cached_profile(profile_fingerprint(topo), world_size, topo.nodes, comm_dtype)
-    if cached is not None:
-        return cached
-    try:
-        return model_profile(topo, comm_dtype=comm_dtype, **model_kwargs)
-    except ValueError:
-        return None
