@@ -24,20 +24,31 @@ H200_141GB_BYTES = 150754820096
 _PRESET_NOTE = "preset: public specifications, not read from this machine"
 
 
-def _nvswitch_node(
+#: The two notes of every illustrative PCIe server below.
+_PCIE_NOTES = [
+    "illustrative layout; P2P status depends on the platform (ACS, IOMMU) and is left unknown",
+    "NICs not described: inter_node_gbps unknown",
+]
+
+
+def _node(
     name: str,
     gpu_name: str,
+    count: int,
     *,
-    links: int,
-    link_gbps: float,
-    nics_gbps: float,
     pcie_gen: int,
     memory_bytes: int,
     cc: tuple,
-    affinity: List[str],
+    affinity: Callable[[int], str],
     notes: List[str],
+    nvswitch_links: int = 0,
+    link_gbps: Optional[float] = None,
+    nics_gbps: Optional[float] = None,
+    pcie_label: Callable[[int, int], str] = lambda i, j: "SYS",
 ) -> Topology:
-    """Eight GPUs, every NVLink to an NVSwitch: any pair sees NV<links>, P2P everywhere."""
+    """``count`` like GPUs on PCIe gen ``pcie_gen`` x16, CPU affinity ``affinity(index)``. With ``nvswitch_links``
+    every NVLink goes to an NVSwitch, so any pair sees NV<links> and P2P works everywhere; without, the GPUs are
+    joined by PCIe only, ``pcie_label(i, j)`` saying how, and their P2P status is left unknown."""
     gpus = [
         GPU(
             index=i,
@@ -46,16 +57,16 @@ def _nvswitch_node(
             pcie_width=16,
             memory_bytes=memory_bytes,
             compute_capability=cc,
-            cpu_affinity=affinity[i // 4],  # GPUs 0-3 on socket 0, 4-7 on socket 1
-            nvswitch_links=links,
-            p2p={j: "OK" for j in range(8) if j != i},
+            cpu_affinity=affinity(i),
+            nvswitch_links=nvswitch_links,
+            p2p={j: "OK" for j in range(count) if j != i} if nvswitch_links else {},
         )
-        for i in range(8)
+        for i in range(count)
     ]
     return Topology(
         name=name,
         gpus=gpus,
-        matrix=build_matrix(gpus),
+        matrix=build_matrix(gpus, pcie_label),
         nvlink_gbps_per_link=link_gbps,
         inter_node_gbps=nics_gbps,
         source="preset",
@@ -65,17 +76,19 @@ def _nvswitch_node(
 
 def _dgx_hopper(name: str, gpu_name: str, memory_bytes: int) -> Topology:
     """The DGX H100 system, which the DGX H200 shares (see those two)."""
-    return _nvswitch_node(
+    sockets = ["0-55,112-167", "56-111,168-223"]  # GPUs 0-3 on socket 0, 4-7 on socket 1
+    return _node(
         name,
         gpu_name,
-        links=18,
-        link_gbps=25.0,
-        nics_gbps=8 * 400 / 8,
+        8,
         pcie_gen=5,
         memory_bytes=memory_bytes,
         cc=(9, 0),
-        affinity=["0-55,112-167", "56-111,168-223"],
+        affinity=lambda i: sockets[i // 4],
         notes=[],
+        nvswitch_links=18,
+        link_gbps=25.0,
+        nics_gbps=8 * 400 / 8,
     )
 
 
@@ -98,17 +111,19 @@ def dgx_a100() -> Topology:
     # bidirectional per GPU (12 x 50 GB/s, 25 GB/s per direction per link) through 6 NVSwitch chips;
     # 8 x ConnectX-6 200 Gb/s HDR InfiniBand for compute (8 x 200 Gb/s = 200 GB/s per node per direction);
     # PCIe gen4 x16 per GPU; 2 x AMD EPYC 7742 (64 cores each, 256 threads).
-    return _nvswitch_node(
+    sockets = ["0-63,128-191", "64-127,192-255"]
+    return _node(
         "dgx-a100",
         "NVIDIA A100-SXM4-80GB",
-        links=12,
-        link_gbps=25.0,
-        nics_gbps=8 * 200 / 8,
+        8,
         pcie_gen=4,
         memory_bytes=A100_80GB_BYTES,
         cc=(8, 0),
-        affinity=["0-63,128-191", "64-127,192-255"],
+        affinity=lambda i: sockets[i // 4],
         notes=["CPU affinity given per socket; nvidia-smi on a DGX A100 in NPS4 mode shows narrower ranges"],
+        nvswitch_links=12,
+        link_gbps=25.0,
+        nics_gbps=8 * 200 / 8,
     )
 
 
@@ -117,35 +132,23 @@ def pcie_gen5_8gpu() -> Topology:
     # NVLink bridges absent), two PCIe switches per socket with two GPUs each. GPUs on one switch: PIX; on
     # different switches of one socket: NODE; across sockets: SYS (every ring crosses the inter-socket link).
     # CPUs: 2 x 32 cores with SMT (64 threads per socket).
-    affinity = ["0-31,64-95", "32-63,96-127"]
-    gpus = [
-        GPU(
-            index=i,
-            name="NVIDIA H100 PCIe",
-            pcie_gen=5,
-            pcie_width=16,
-            memory_bytes=H100_80GB_BYTES,
-            compute_capability=(9, 0),
-            cpu_affinity=affinity[i // 4],
-        )
-        for i in range(8)
-    ]
+    sockets = ["0-31,64-95", "32-63,96-127"]
 
     def label(i: int, j: int) -> str:
         if i // 4 != j // 4:
             return "SYS"
         return "PIX" if i // 2 == j // 2 else "NODE"
 
-    return Topology(
-        name="pcie-gen5-8gpu",
-        gpus=gpus,
-        matrix=build_matrix(gpus, label),
-        source="preset",
-        notes=[
-            _PRESET_NOTE,
-            "illustrative layout; P2P status depends on the platform (ACS, IOMMU) and is left unknown",
-            "NICs not described: inter_node_gbps unknown",
-        ],
+    return _node(
+        "pcie-gen5-8gpu",
+        "NVIDIA H100 PCIe",
+        8,
+        pcie_gen=5,
+        memory_bytes=H100_80GB_BYTES,
+        cc=(9, 0),
+        affinity=lambda i: sockets[i // 4],
+        notes=_PCIE_NOTES,
+        pcie_label=label,
     )
 
 
@@ -153,28 +156,16 @@ def pcie_gen4_4gpu() -> Topology:
     # An illustrative 1-socket PCIe workstation/server: 4 x A100 PCIe 80 GB (PCIe gen4 x16, 32 GB/s per direction,
     # no NVLink bridges), each on its own root port; GPUs 0-1 and 2-3 share a PCIe host bridge (PHB), the two pairs
     # sit under different host bridges of the same socket (NODE). CPU: 32 cores with SMT.
-    gpus = [
-        GPU(
-            index=i,
-            name="NVIDIA A100 80GB PCIe",
-            pcie_gen=4,
-            pcie_width=16,
-            memory_bytes=A100_80GB_BYTES,
-            compute_capability=(8, 0),
-            cpu_affinity="0-63",
-        )
-        for i in range(4)
-    ]
-    return Topology(
-        name="pcie-gen4-4gpu",
-        gpus=gpus,
-        matrix=build_matrix(gpus, lambda i, j: "PHB" if i // 2 == j // 2 else "NODE"),
-        source="preset",
-        notes=[
-            _PRESET_NOTE,
-            "illustrative layout; P2P status depends on the platform (ACS, IOMMU) and is left unknown",
-            "NICs not described: inter_node_gbps unknown",
-        ],
+    return _node(
+        "pcie-gen4-4gpu",
+        "NVIDIA A100 80GB PCIe",
+        4,
+        pcie_gen=4,
+        memory_bytes=A100_80GB_BYTES,
+        cc=(8, 0),
+        affinity=lambda i: "0-63",
+        notes=_PCIE_NOTES,
+        pcie_label=lambda i, j: "PHB" if i // 2 == j // 2 else "NODE",
     )
 
 
