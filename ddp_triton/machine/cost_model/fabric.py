@@ -8,7 +8,7 @@ Units: bytes, microseconds, GB/s (10^9 bytes per second, as nccl-tests prints). 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...dtypes import normalize_dtype
 from .calibration import Calibration
@@ -55,86 +55,20 @@ LINK_KINDS = ("nvlink", "pcie")
 
 
 @dataclass(frozen=True)
-class Fabric:
-    """What the model needs to know of the machines: ranks, link rates and link kinds (and, optionally, a
-    calibration measured on one of its nodes)."""
+class Layout:
+    """Where the ranks sit and what joins them, without link rates: all that decides which algorithms NCCL can run.
+
+    Planning a measurement uses a Layout, as NVML sees no NICs and so gives no inter-node rate; ``Fabric`` adds the
+    rates the timings need."""
 
     ranks_per_node: int
     """Ranks (GPUs) per node taking part in the all-reduce."""
     nodes: int = 1
     """Number of nodes."""
-    intra_gbps: float = 0.0
-    """Unidirectional line rate per GPU inside a node, GB/s (450 for NVLink4 H100, 300 for NVLink3 A100)."""
-    inter_gbps: float = 0.0
-    """Unidirectional line rate of one node's NICs together, GB/s (8 x 400 Gbit/s = 400). Needed when nodes > 1."""
-    intra_link: str = "nvlink"
-    """``nvlink`` or ``pcie``: what links GPUs inside a node (LL128 needs NVLink; the hop latencies differ)."""
     nvswitch: bool = False
     """Whether the GPUs of a node meet at NVSwitches (a precondition of NVLS)."""
     arch: str = "unknown"
     """GPU generation: ``volta``, ``ampere``, ``hopper``, ``blackwell`` or ``unknown``."""
-    cpu_link_gbps: float = 0.0
-    """PCIe only: the bandwidth NCCL assumes for the link between CPU sockets when the ring crosses it (``SYS``
-    paths; ``ncclTopoGetInterCpuBw``: AMD 16, Intel Skylake 10, Sapphire Rapids 22, Emerald Rapids 40 GB/s), which
-    then caps the ring below the PCIe rate. 0: no socket crossing, or not known."""
-    calibration: Optional[Calibration] = None
-    """Factors fitted to a measured sweep of one of these nodes (``fit.fit_calibration``); None: the model as is."""
-
-    def __post_init__(self) -> None:
-        Layout(self.ranks_per_node, self.nodes, self.nvswitch, self.arch)  # checks ranks, nodes and arch
-        if self.intra_link not in LINK_KINDS:
-            raise ValueError(f"intra_link must be one of {LINK_KINDS}, got {self.intra_link!r}")
-        if self.ranks_per_node > 1 and not self.intra_gbps > 0:
-            raise ValueError(f"intra_gbps must be > 0 with {self.ranks_per_node} ranks per node, "
-                             f"got {self.intra_gbps!r}")
-        if self.nodes > 1 and not self.inter_gbps > 0:
-            raise ValueError(f"inter_gbps must be > 0 with {self.nodes} nodes, got {self.inter_gbps!r}")
-        if not self.cpu_link_gbps >= 0:
-            raise ValueError(f"cpu_link_gbps must be >= 0, got {self.cpu_link_gbps!r}")
-        if self.calibration is not None and not isinstance(self.calibration, Calibration):
-            raise ValueError(f"calibration must be a Calibration or None, got {type(self.calibration).__name__}")
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks_per_node * self.nodes
-
-    @classmethod
-    def from_topology(cls, topo: Any, calibration: Optional[Calibration] = None) -> "Fabric":
-        """Build from a ``ddp_triton.machine.topology.Topology``: its nodes, GPUs per node, link kinds and rates.
-
-        ValueError naming what is missing (an inter-node rate for several nodes, an intra-node rate for several
-        GPUs per node)."""
-        nodes = int(topo.nodes)
-        per_node = int(topo.gpus_per_node)
-        if nodes > 1 and not topo.inter_node_gbps:
-            raise ValueError(f"topology {topo.name!r} on {nodes} nodes has no inter-node bandwidth: "
-                             "give it (--inter-node-gbps, GB/s per node per direction, e.g. 400 for 8 x 400 Gb/s)")
-        if per_node > 1 and not topo.intra_node_gbps:
-            raise ValueError(f"topology {topo.name!r} has no intra-node bandwidth (neither NVLink rate nor PCIe link)")
-        arch = getattr(topo, "arch", "unknown")
-        return cls(
-            ranks_per_node=per_node,
-            nodes=nodes,
-            intra_gbps=float(topo.intra_node_gbps or 0.0),
-            inter_gbps=float(topo.inter_node_gbps or 0.0),
-            intra_link="nvlink" if topo.intra_node_fabric == "nvlink" else "pcie",
-            nvswitch=bool(topo.has_nvswitch),
-            arch=arch if arch in KNOWN_ARCHES else "unknown",
-            calibration=calibration,
-        )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks sit and what joins them, without link rates: all that decides which algorithms NCCL can run.
-
-    ``Fabric`` has the same fields (and the rates the timings need). Planning a measurement uses a Layout, as NVML
-    sees no NICs and so gives no inter-node rate."""
-
-    ranks_per_node: int
-    nodes: int = 1
-    nvswitch: bool = False
-    arch: str = "unknown"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -149,11 +83,62 @@ class Layout:
         return self.ranks_per_node * self.nodes
 
     @classmethod
-    def from_topology(cls, topo: Any) -> "Layout":
-        """From a ``ddp_triton.machine.topology.Topology``: nodes, GPUs per node, NVSwitch and GPU generation."""
+    def from_topology(cls, topo: Any, **rates: Any) -> Any:
+        """From a ``ddp_triton.machine.topology.Topology``: nodes, GPUs per node, NVSwitch and GPU generation (and,
+        for a ``Fabric``, the ``rates``)."""
         arch = getattr(topo, "arch", "unknown")
         return cls(ranks_per_node=int(topo.gpus_per_node), nodes=int(topo.nodes), nvswitch=bool(topo.has_nvswitch),
-                   arch=arch if arch in KNOWN_ARCHES else "unknown")
+                   arch=arch if arch in KNOWN_ARCHES else "unknown", **rates)
+
+
+@dataclass(frozen=True)
+class Fabric(Layout):
+    """What the model needs to know of the machines: the layout, link rates and link kinds (and, optionally, a
+    calibration measured on one of its nodes)."""
+
+    intra_gbps: float = 0.0
+    """Unidirectional line rate per GPU inside a node, GB/s (450 for NVLink4 H100, 300 for NVLink3 A100)."""
+    inter_gbps: float = 0.0
+    """Unidirectional line rate of one node's NICs together, GB/s (8 x 400 Gbit/s = 400). Needed when nodes > 1."""
+    intra_link: str = "nvlink"
+    """``nvlink`` or ``pcie``: what links GPUs inside a node (LL128 needs NVLink; the hop latencies differ)."""
+    cpu_link_gbps: float = 0.0
+    """PCIe only: the bandwidth NCCL assumes for the link between CPU sockets when the ring crosses it (``SYS``
+    paths; ``ncclTopoGetInterCpuBw``: AMD 16, Intel Skylake 10, Sapphire Rapids 22, Emerald Rapids 40 GB/s), which
+    then caps the ring below the PCIe rate. 0: no socket crossing, or not known."""
+    calibration: Optional[Calibration] = None
+    """Factors fitted to a measured sweep of one of these nodes (``fit.fit_calibration``); None: the model as is."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.intra_link not in LINK_KINDS:
+            raise ValueError(f"intra_link must be one of {LINK_KINDS}, got {self.intra_link!r}")
+        if self.ranks_per_node > 1 and not self.intra_gbps > 0:
+            raise ValueError(f"intra_gbps must be > 0 with {self.ranks_per_node} ranks per node, "
+                             f"got {self.intra_gbps!r}")
+        if self.nodes > 1 and not self.inter_gbps > 0:
+            raise ValueError(f"inter_gbps must be > 0 with {self.nodes} nodes, got {self.inter_gbps!r}")
+        if not self.cpu_link_gbps >= 0:
+            raise ValueError(f"cpu_link_gbps must be >= 0, got {self.cpu_link_gbps!r}")
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise ValueError(f"calibration must be a Calibration or None, got {type(self.calibration).__name__}")
+
+    @classmethod
+    def from_topology(cls, topo: Any, calibration: Optional[Calibration] = None) -> "Fabric":
+        """Build from a ``ddp_triton.machine.topology.Topology``: its nodes, GPUs per node, link kinds and rates.
+
+        ValueError naming what is missing (an inter-node rate for several nodes, an intra-node rate for several
+        GPUs per node)."""
+        nodes = int(topo.nodes)
+        if nodes > 1 and not topo.inter_node_gbps:
+            raise ValueError(f"topology {topo.name!r} on {nodes} nodes has no inter-node bandwidth: "
+                             "give it (--inter-node-gbps, GB/s per node per direction, e.g. 400 for 8 x 400 Gb/s)")
+        if int(topo.gpus_per_node) > 1 and not topo.intra_node_gbps:
+            raise ValueError(f"topology {topo.name!r} has no intra-node bandwidth (neither NVLink rate nor PCIe link)")
+        return super().from_topology(topo, intra_gbps=float(topo.intra_node_gbps or 0.0),
+                                     inter_gbps=float(topo.inter_node_gbps or 0.0),
+                                     intra_link="nvlink" if topo.intra_node_fabric == "nvlink" else "pcie",
+                                     calibration=calibration)
 
 
 @dataclass(frozen=True)
@@ -235,7 +220,7 @@ def nvls_min_ranks_per_node(nccl_version: Optional[Tuple[int, int, int]] = None)
     return 2
 
 
-def algorithm_unavailable_reason(fabric: Union[Fabric, Layout], algorithm: str, dtype: Any = "bfloat16",
+def algorithm_unavailable_reason(fabric: Layout, algorithm: str, dtype: Any = "bfloat16",
                                  nccl_version: Optional[Tuple[int, int, int]] = None) -> Optional[str]:
     """Why NCCL would not run ``algorithm`` for this fabric (or rate-free layout), dtype and NCCL version; None when
     it can."""
@@ -271,7 +256,7 @@ def algorithm_unavailable_reason(fabric: Union[Fabric, Layout], algorithm: str, 
     return None
 
 
-def available_algorithms(fabric: Union[Fabric, Layout], dtype: Any = "bfloat16",
+def available_algorithms(fabric: Layout, dtype: Any = "bfloat16",
                          nccl_version: Optional[Tuple[int, int, int]] = None) -> List[str]:
     """The algorithms NCCL can run here, in canonical order."""
     return [a for a in ALGORITHMS if algorithm_unavailable_reason(fabric, a, dtype, nccl_version) is None]
