@@ -155,6 +155,10 @@ TREE_THREADS = 640
 NVLS_CHANNELS = {"hopper": (16, 16), "blackwell": (24, 32)}
 NVLS_CHUNK_BYTES = 128 * 1024
 NVLS_TREE_MAX_CHUNK_BYTES_4_NODES = 64 * 1024
+#: How ``calcCollChunking`` shrinks an NVLS (NVLSTree) chunk: to ``smaller`` below ``times`` x (channels x heads x
+#: chunk) bytes, each step in turn.
+NVLS_CHUNK_STEPS = {"nvls": ((64, 64 * 1024), (8, 32 * 1024), (2, 16 * 1024)),
+                    "nvls_tree": ((32, 256 * 1024), (16, 128 * 1024), (4, 64 * 1024), (1, 32 * 1024))}
 
 
 def _log2i(x: int) -> int:
@@ -210,14 +214,8 @@ def nvls_chunk_bytes(f: Fabric, nbytes: int, algorithm: str) -> int:
     """NCCL's NVLS (or NVLSTree) chunk for an all-reduce of ``nbytes`` (``calcCollChunking``): the largest chunk
     shrinks while the message is small against (channels x heads x chunk), heads being the node's GPUs."""
     ops = nvls_channels(f) * f.ranks_per_node
-    if algorithm == "nvls":
-        chunk = NVLS_CHUNK_BYTES
-        for times, smaller in ((64, 64 * 1024), (8, 32 * 1024), (2, 16 * 1024)):
-            if nbytes < times * ops * chunk and chunk > smaller:
-                chunk = smaller
-        return chunk
-    chunk = min(NVLS_CHUNK_BYTES, NVLS_TREE_MAX_CHUNK_BYTES_4_NODES if f.nodes >= 4 else NVLS_CHUNK_BYTES)
-    for times, smaller in ((32, 256 * 1024), (16, 128 * 1024), (4, 64 * 1024), (1, 32 * 1024)):
+    chunk = NVLS_TREE_MAX_CHUNK_BYTES_4_NODES if algorithm == "nvls_tree" and f.nodes >= 4 else NVLS_CHUNK_BYTES
+    for times, smaller in NVLS_CHUNK_STEPS[algorithm]:
         if nbytes < times * ops * chunk and chunk > smaller:
             chunk = smaller
     return chunk
