@@ -41,7 +41,8 @@ DEFAULT_BUDGET_S = 60.0
 
 
 class _Bucket:
-    """What the hook reads of DDP's GradBucket: one tensor's gradients as the whole bucket."""
+    """What binding a bucket (``CommState.plan_for``) reads of DDP's GradBucket: one tensor's gradients as the whole
+    bucket."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
@@ -56,9 +57,6 @@ class _Bucket:
 
     def parameters(self) -> List[torch.Tensor]:
         return self._params
-
-    def is_last(self) -> bool:
-        return True
 
 
 def _state_for(name: str) -> CommState:
