@@ -13,23 +13,27 @@ And one pass for an exchange that ends with the float32 sum (FSDP's reduce-scatt
 all-gather): ``sum_blocks``, the N ranks' copies of this rank's rows -> their values summed in float32 in rank
 order, written where the layout puts each block.
 
+Each is one callable: the plain call, checked in full every time, and ``.prepare(...)``, checked and compiled once
+and run on the tensors each call passes (``prepared.py``), for the exchanges that run it every step.
+
 Rows are ``fp8.ROW_BYTES`` bytes: 128 codes and a float32 scale (``fp8.py``). Products and sums are compiled without
 FMA contraction (``enable_fp_fusion=False``): a fused multiply-add rounds once where torch rounds twice, and the
 residuals must be the same bits on every path.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from . import _triton, torch_wire
+from . import _triton, cpu_fp8
 from .blocks import BlockLayout
 from .convert import _convert, _load_fp32, _write_stats
 from .dtypes import BITS_DTYPE, OUT_KIND
 from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
-from .launch import Grid, KernelCall, PreparedCall, bind_call, run_call
+from .launch import Grid, KernelCall, run_call
 from .pack import uses_triton
+from .prepared import PreparedCall, with_prepare
 from .validation import check_count, check_scale, check_stats, check_vector
 
 triton, tl = _triton.triton, _triton.tl
@@ -157,7 +161,7 @@ def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.
         check_vector(residual, "residual", numel=numel, dtypes=(torch.float32,), device=device)
 
 
-# ---- the three passes: checked once into a KernelCall, run once (plain call) or bound to repeat -----------------
+# ---- each pass as a KernelCall for its tensors: run once (a plain call) or kept to repeat (a prepared call) -----
 
 
 def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> KernelCall:
@@ -169,7 +173,7 @@ def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> Ker
         _check_residual(residual, src.numel(), src.device)
         scale = check_scale(scale)
     if not uses_triton(src.device):
-        return KernelCall(torch_path=torch_wire.bind_quantize_blocks(src, layout, rows, scale, spec, residual))
+        return KernelCall(torch_path=cpu_fp8.quantize_pass(src, layout, rows, scale, spec, residual))
     src_bf16 = src.dtype == torch.bfloat16
     args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
             residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
@@ -193,7 +197,7 @@ def _reduce_call(received, n_ranks, out, fmt, residual, checked=True) -> KernelC
         _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
         _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
     if not uses_triton(out.device):
-        return KernelCall(torch_path=torch_wire.bind_reduce_blocks(received, n_ranks, out, spec, residual))
+        return KernelCall(torch_path=cpu_fp8.reduce_pass(received, n_ranks, out, spec, residual))
     args = (received, received.view(torch.int32), residual if residual is not None else out, out,
             out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
@@ -210,8 +214,7 @@ def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True, checked=
         _check_rows(rows, layout.n_rows, "rows", dst.device)
         check_stats(stats, dst.device)
     if not uses_triton(dst.device):
-        return KernelCall(torch_path=torch_wire.bind_dequantize_blocks(rows, layout, dst, spec, stats,
-                                                                       canonical_nan))
+        return KernelCall(torch_path=cpu_fp8.dequantize_pass(rows, layout, dst, spec, stats, canonical_nan))
     # With stats, each block's partial sums go to a buffer of this call's own, summed behind the kernel.
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
@@ -232,7 +235,7 @@ def _sum_blocks_call(received, n_ranks, layout, out, fmt, checked=True) -> Kerne
         check_vector(out, "out", numel=layout.n_elements, dtypes=(torch.float32,))
         _check_rows(received, n_ranks * layout.n_rows, "received", out.device)
     if not uses_triton(out.device):
-        return KernelCall(torch_path=torch_wire.bind_sum_blocks(received, n_ranks, layout, out, spec))
+        return KernelCall(torch_path=cpu_fp8.sum_blocks_pass(received, n_ranks, layout, out, spec))
     args = (received, received.view(torch.int32), layout.table_on(out.device), out, n_ranks,
             layout.n_rows * ROW_BYTES, layout.n_rows * ROW_WORDS)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, MANTISSA=spec.mantissa_bits,
@@ -241,9 +244,21 @@ def _sum_blocks_call(received, n_ranks, layout, out, fmt, checked=True) -> Kerne
     return KernelCall(launch=(grid, _sum_blocks_kernel, args, constexprs))
 
 
-# ---- public API ---------------------------------------------------------------------------------------------------
+# ---- the operations: a plain call, and .prepare(...) for calls that repeat ----------------------------------------
 
 
+def _prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
+                             fmt: torch.dtype = torch.float8_e4m3fn,
+                             residual: Optional[torch.Tensor] = None) -> PreparedCall:
+    """:func:`quantize_blocks` checked once for tensors like these; the returned call runs it on the tensors each
+    call passes, ``call(src, rows, residual)`` (:class:`~.prepared.PreparedCall`; residual None where the example
+    was None)."""
+    scale = check_scale(scale)
+    return PreparedCall(lambda s, r, res, checked: _quantize_call(s, layout, r, scale, fmt, res, checked),
+                        ("src", "rows", "residual"), (src, rows, residual))
+
+
+@with_prepare(_prepare_quantize_blocks)
 def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
                     fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
@@ -254,6 +269,15 @@ def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
     run_call(_quantize_call(src, layout, rows, scale, fmt, residual))
 
 
+def _prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                           fmt: torch.dtype = torch.float8_e4m3fn,
+                           residual: Optional[torch.Tensor] = None) -> PreparedCall:
+    """:func:`reduce_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(received, out, residual)``."""
+    return PreparedCall(lambda rec, o, res, checked: _reduce_call(rec, n_ranks, o, fmt, res, checked),
+                        ("received", "out", "residual"), (received, out, residual))
+
+
+@with_prepare(_prepare_reduce_blocks)
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
                   fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
@@ -261,6 +285,16 @@ def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
     run_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 
+def _prepare_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
+                               fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
+                               canonical_nan: bool = True) -> PreparedCall:
+    """:func:`dequantize_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(rows, dst, stats)``;
+    ``canonical_nan`` as for ``kernels.pack.prepare``."""
+    return PreparedCall(lambda r, d, st, checked: _dequantize_call(r, layout, d, fmt, st, canonical_nan, checked),
+                        ("rows", "dst", "stats"), (rows, dst, stats))
+
+
+@with_prepare(_prepare_dequantize_blocks)
 def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
                       fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
     """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
@@ -268,6 +302,14 @@ def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
     run_call(_dequantize_call(rows, layout, dst, fmt, stats))
 
 
+def _prepare_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
+                        fmt: torch.dtype = torch.float8_e4m3fn) -> PreparedCall:
+    """:func:`sum_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(received, out)``."""
+    return PreparedCall(lambda rec, o, checked: _sum_blocks_call(rec, n_ranks, layout, o, fmt, checked),
+                        ("received", "out"), (received, out))
+
+
+@with_prepare(_prepare_sum_blocks)
 def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
                fmt: torch.dtype = torch.float8_e4m3fn) -> None:
     """``out`` (float32, ``layout.n_elements``) <- the values of the ``n_ranks`` row slices of ``received`` (each
@@ -276,70 +318,3 @@ def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: t
     one pass over the received rows. A NaN is a NaN: its sign and payload bits are the arithmetic's, as an
     all-reduce's are."""
     run_call(_sum_blocks_call(received, n_ranks, layout, out, fmt))
-
-
-def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
-                         fmt: torch.dtype = torch.float8_e4m3fn,
-                         residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
-    """Check :func:`quantize_blocks` once; the returned callable repeats it with little host work (a direct launch
-    on CUDA, as :func:`kernels.bind_pack`). It keeps the tensors alive: bind again when any is reallocated."""
-    return bind_call(_quantize_call(src, layout, rows, scale, fmt, residual))
-
-
-def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                       fmt: torch.dtype = torch.float8_e4m3fn,
-                       residual: Optional[torch.Tensor] = None) -> Callable[[], None]:
-    """Check :func:`reduce_blocks` once and return a callable that repeats it (see :func:`bind_quantize_blocks`)."""
-    return bind_call(_reduce_call(received, n_ranks, out, fmt, residual))
-
-
-def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
-                    fmt: torch.dtype = torch.float8_e4m3fn) -> Callable[[], None]:
-    """Check :func:`sum_blocks` once and return a callable that repeats it (see :func:`bind_quantize_blocks`)."""
-    return bind_call(_sum_blocks_call(received, n_ranks, layout, out, fmt))
-
-
-def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                           fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
-                           canonical_nan: bool = True) -> Callable[[], None]:
-    """Check :func:`dequantize_blocks` once and return a callable that repeats it (see
-    :func:`bind_quantize_blocks`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
-    return bind_call(_dequantize_call(rows, layout, dst, fmt, stats, canonical_nan))
-
-
-# ---- prepared: checked and compiled once, run on the tensors each call passes ------------------------------------
-
-
-def prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
-                            fmt: torch.dtype = torch.float8_e4m3fn,
-                            residual: Optional[torch.Tensor] = None) -> PreparedCall:
-    """Check :func:`quantize_blocks` once for tensors like these; the returned call runs it on the tensors each
-    call passes, ``call(src, rows, residual)``, with a bound launch's host work and without holding them (a direct
-    launch on CUDA, compiled at the first call: :class:`~.launch.PreparedCall`, for buffers allocated anew at every
-    call)."""
-    scale = check_scale(scale)
-    return PreparedCall(lambda s, r, res, checked: _quantize_call(s, layout, r, scale, fmt, res, checked),
-                        ("src", "rows", "residual"), (src, rows, residual))
-
-
-def prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                          fmt: torch.dtype = torch.float8_e4m3fn,
-                          residual: Optional[torch.Tensor] = None) -> PreparedCall:
-    """:func:`reduce_blocks` prepared as :func:`prepare_quantize_blocks` is: ``call(received, out, residual)``."""
-    return PreparedCall(lambda rec, o, res, checked: _reduce_call(rec, n_ranks, o, fmt, res, checked),
-                        ("received", "out", "residual"), (received, out, residual))
-
-
-def prepare_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                              fmt: torch.dtype = torch.float8_e4m3fn, canonical_nan: bool = True) -> PreparedCall:
-    """:func:`dequantize_blocks` (without statistics) prepared as :func:`prepare_quantize_blocks` is:
-    ``call(rows, dst)``; ``canonical_nan`` as for :func:`kernels.bind_pack`."""
-    return PreparedCall(lambda r, d, checked: _dequantize_call(r, layout, d, fmt, None, canonical_nan, checked),
-                        ("rows", "dst"), (rows, dst))
-
-
-def prepare_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
-                       fmt: torch.dtype = torch.float8_e4m3fn) -> PreparedCall:
-    """:func:`sum_blocks` prepared as :func:`prepare_quantize_blocks` is: ``call(received, out)``."""
-    return PreparedCall(lambda rec, o, checked: _sum_blocks_call(rec, n_ranks, layout, o, fmt, checked),
-                        ("received", "out"), (received, out))

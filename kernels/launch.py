@@ -1,14 +1,11 @@
-"""Launching the kernels: through Triton's launcher, bound once and replayed, or prepared once and run on new tensors.
+"""Launching the kernels: through Triton's launcher, or directly through the compiled kernel's launcher.
 
 Triton's generic launcher re-binds and re-specialises every argument on every call (17-21 us of host time per
 launch measured on the lent H200's host on 2026-11-30, torch 2.11, Triton 3.6), which a DDP hook would pay at
-every bucket on the training thread. A :class:`BoundLaunch` resolves the compiled kernel once for a fixed set of
-arguments and afterwards calls its launcher directly. The launcher's calling convention changed in Triton 3.3
-(constexpr arguments are passed too), so the bound path checks itself once per process against the generic
-launcher and falls back to it, with a warning, if they ever disagree.
-
-A :class:`PreparedCall` is for buffers that are new at every call (FSDP's): checked once for tensors like its
-examples, it compares each call's tensors with them and hands the compiled launcher their addresses.
+every bucket on the training thread. A :class:`_DirectLaunch` holds the compiled kernel's own launcher and hands it
+argument values directly; a prepared call (``prepared.py``) compiles one for the tensors it runs on. The launcher's
+calling convention changed in Triton 3.3 (constexpr arguments are passed too), so the direct launch checks itself
+once per process against the generic launcher and is not used, with a warning, if they ever disagree.
 
 What a launch runs over is a ``plan``: a work-list :class:`~.worklist.Plan` for pack and unpack, a :class:`Grid` for
 the wire-format kernels; both give ``n_items`` (programs), ``num_warps`` and ``options`` (compile options).
@@ -19,13 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import _triton
 from .convert import _contiguous_convert_kernel, _worklist_convert_kernel
-from .validation import check_disjoint, describe_like, like_key
 from .worklist import Plan, build_plan
 
 logger = logging.getLogger("ddp_triton.kernels")
@@ -76,40 +72,6 @@ def _as_int(arg):
     return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
 
 
-class BoundLaunch:
-    """A launch whose arguments are fixed; calling it launches again on the current CUDA stream.
-
-    Holds references to all its tensors (``keepalive``: the work table has the addresses of tensors that are not
-    arguments), so they stay alive as long as the launch does. In the interpreter, while a launch hook (a profiler)
-    is installed, or when the direct launch is unavailable, it goes through Triton's launcher. Bound during CUDA
-    graph capture before the direct launch's self-check could run, it uses Triton's launcher (which the graph
-    records) and binds directly at its first call outside capture.
-    """
-
-    def __init__(self, plan: Plan, kernel: Any, args: tuple, constexprs: dict, keepalive: Sequence = ()) -> None:
-        self._plan, self._kernel, self._args, self._constexprs = plan, kernel, args, constexprs
-        self._keepalive = tuple(keepalive)  # every tensor whose address is baked into the launch
-        self._direct: Optional[Callable[[], None]] = None
-        self._device = args[0].device
-        self._bind_later = self._device.type == "cuda" and plan.n_items > 0 and not _triton.INTERPRETER
-        if self._bind_later:
-            self._try_bind()
-
-    def _try_bind(self) -> None:
-        if _direct_launch_ok is None and _capturing():
-            return  # keep _bind_later: the self-check cannot run inside capture
-        self._bind_later = False
-        self._direct = _bind_direct(self._plan, self._kernel, self._args, self._constexprs, self._device)
-
-    def __call__(self) -> None:
-        if self._bind_later:
-            self._try_bind()
-        if self._direct is not None and not launch_hooks_installed():
-            self._direct()
-        else:
-            launch(self._plan, self._kernel, self._args, self._constexprs)
-
-
 def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
     """The argument list a compiled kernel's launcher takes: before Triton 3.3 the non-constexpr arguments, since
     then every argument of the signature in order (the launcher skips the constexprs)."""
@@ -121,9 +83,9 @@ def _launcher_values(kernel: Any, args: tuple, constexprs: dict) -> list:
 
 class _DirectLaunch:
     """The compiled kernel's launcher, launched on its tensors' device whatever device is current on the calling
-    thread: with the argument values it was bound with (``values``; a bound launch), or with each call's
-    (``launch_with``; a prepared call, which binds it with none, so that it cannot launch on a past call's
-    addresses). Keeps ``compiled`` alive: its destructor unloads the module that ``function`` lives in."""
+    thread: with the argument values it was compiled for (``values``; the self-check's launch), or with each call's
+    (``launch_with``; a prepared call, which clears ``values``, so that it cannot launch on a past call's addresses).
+    Keeps ``compiled`` alive: its destructor unloads the module that ``function`` lives in."""
 
     __slots__ = ("compiled", "run", "grid", "index", "function", "metadata", "values", "current_stream",
                  "current_device")
@@ -190,16 +152,8 @@ def _raw_stream_getter() -> Callable[[int], int]:
 
 
 def _can_launch_directly(plan: Plan, args: tuple) -> bool:
+    """Whether a launch of ``args`` may go direct: CUDA tensors, compiled kernels, something to launch."""
     return args[0].device.type == "cuda" and not _triton.INTERPRETER and plan.n_items > 0
-
-
-def direct_launch(plan: Plan, kernel: Any, args: tuple, constexprs: dict) -> Optional[Callable[[], None]]:
-    """The compiled kernel's direct launch for these argument values, holding no tensor (their addresses are baked
-    in), or None where Triton's launcher must be used: not CUDA, the interpreter, nothing to launch, or no direct
-    launch (self-check failed, or not yet possible inside CUDA graph capture)."""
-    if not _can_launch_directly(plan, args):
-        return None
-    return _bind_direct(plan, kernel, args, constexprs, args[0].device)
 
 
 def _capturing() -> bool:
@@ -228,8 +182,9 @@ def _direct_launch_available(device: torch.device) -> Optional[bool]:
 
 def _bind_direct(plan: Plan, kernel: Any, args: tuple, constexprs: dict,
                  device: torch.device) -> Optional["_DirectLaunch"]:
-    """A closure that launches the compiled kernel without Triton's per-call argument handling, or None (use
-    Triton's launcher): when the self-check failed or cannot run yet (CUDA graph capture)."""
+    """The compiled kernel's direct launch for these arguments (no per-call argument handling by Triton), or None
+    (use Triton's launcher): for an int Triton makes a constant, or when the self-check failed or cannot run yet
+    (CUDA graph capture)."""
     if any(type(a) is int and a == 1 for a in args):
         return None  # Triton specialises an int of 1 into a constant, which changes the launcher's arguments
     if not _direct_launch_available(device):
@@ -276,7 +231,8 @@ def _self_check(device: torch.device) -> bool:
 
 
 class KernelCall(NamedTuple):
-    """One checked call of a kernel that may also run on the torch CPU path: there ``torch_path``; otherwise
+    """One call of a kernel, built for its tensors, that may also run on the torch CPU path: there ``torch_path``
+    (the pass over those tensors, to run once or again); otherwise
     ``launch`` (plan, kernel, args, constexprs), then ``after`` if given (work queued behind the kernel, such as
     summing its partial statistics)."""
 
@@ -293,150 +249,3 @@ def run_call(call: KernelCall) -> None:
     launch(*call.launch)
     if call.after is not None:
         call.after()
-
-
-def bind_call(call: KernelCall) -> Callable[[], None]:
-    """``call`` as a callable to repeat: the kernel as a :class:`BoundLaunch` (direct on CUDA), holding its tensors."""
-    if call.torch_path is not None:
-        return call.torch_path
-    kernel_launch = BoundLaunch(*call.launch)
-    after = call.after
-    if after is None:
-        return kernel_launch
-
-    def launch_then_after() -> None:
-        kernel_launch()
-        after()
-
-    return launch_then_after
-
-
-# ---- prepared calls: checked and compiled once, run on the caller's tensors of each call ------------------------
-
-
-class _Specialised(NamedTuple):
-    """A prepared call's direct launch for one alignment of its pointers: the launcher compiled for it, the values
-    of its other arguments (fixed for a prepared call: they come from its sizes and settings; Triton specialises
-    ints on their value) and the constexprs the launcher takes after them."""
-
-    direct: _DirectLaunch
-    others: tuple
-    tail: tuple
-
-
-class PreparedCall:
-    """A kernel call checked once for tensors like its examples, then run on the tensors each call passes: a bound
-    launch's host work for a caller whose buffers are new at every call (FSDP allocates its reduce-scatter's input
-    and output each step), without holding them between calls.
-
-    ``call(*tensors)`` takes the tensors in the order of ``names``. Each must be like its example in everything the
-    full checks read (``like``: shape, dtype, device, contiguity, address modulo 4; None where the example was None),
-    and no two may share memory; a call that differs is refused with a ValueError naming the tensor, before anything
-    runs, and otherwise runs without the full checks. On CUDA each alignment of the pointers seen (16 bytes or not,
-    which Triton specialises on; FSDP's buffers always have the same) is compiled once, at its first call, and the
-    compiled kernel's launcher then takes each call's addresses directly (``_DirectLaunch.launch_with``). Calls go
-    through Triton's launcher in the interpreter, with a launch hook installed, where the direct launch is
-    unavailable, and for arguments Triton makes constants (an int of 1). On the torch path (CPU tensors) each call
-    binds that path afresh: its views and closures.
-    """
-
-    def __init__(self, build: Callable[..., KernelCall], names: Sequence[str],
-                 examples: Sequence[Optional[torch.Tensor]]) -> None:
-        if len(names) != len(examples):
-            raise TypeError(f"{len(names)} names for {len(examples)} example tensors")
-        self._build, self._names = build, tuple(names)
-        first = build(*examples, checked=True)  # every check of a plain call, naming any problem
-        self._likes = PreparedCall.like(examples, self._names)
-        check_disjoint(self._names, examples)
-        self._sizes = tuple(0 if t is None else t.numel() * t.element_size() for t in examples)
-        self._by_alignment: Dict[tuple, Optional[_Specialised]] = {}
-        self._direct, self._pointers, self._others = False, (), ()
-        self._last: Optional[tuple] = None  # (addresses, direct launch, values) of the last direct launch
-        if first.launch is not None:
-            plan, _, args, _ = first.launch
-            self._direct = _can_launch_directly(plan, args)
-            self._pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            self._others = tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-
-    @staticmethod
-    def like(tensors: Sequence[Optional[torch.Tensor]], names: Optional[Sequence[str]] = None) -> tuple:
-        """What a prepared call compares of its tensors at every call (see the class docstring)."""
-        names = names or [f"tensors[{i}]" for i in range(len(tensors))]
-        return tuple(like_key(t, name) for t, name in zip(tensors, names))
-
-    def _check(self, tensors: Sequence[Optional[torch.Tensor]], unlike_ok: bool = False) -> Optional[tuple]:
-        """The tensors' addresses (0 for None), after checking that they are like the examples (else a ValueError,
-        or None with ``unlike_ok``) and disjoint."""
-        if len(tensors) != len(self._names):
-            raise TypeError(f"this prepared call takes {len(self._names)} tensors ({', '.join(self._names)}), got "
-                            f"{len(tensors)}")
-        for name, want, tensor in zip(self._names, self._likes, tensors):
-            got = like_key(tensor, name)
-            if got != want:
-                if unlike_ok:
-                    return None
-                raise ValueError(f"{name} is {describe_like(got)}; this call was prepared for {describe_like(want)}")
-        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        # Like-shaped tensors: each spans the bytes its example did (None, and empty tensors, span none).
-        spans = sorted((address, size) for address, size in zip(addresses, self._sizes) if size)
-        for (start, size), (next_start, _) in zip(spans, spans[1:]):
-            if next_start < start + size:
-                check_disjoint(self._names, tensors)  # names the pair
-                raise ValueError(f"two of {', '.join(self._names)} overlap in memory")
-        return addresses
-
-    def _specialised(self, plan: Any, kernel: Any, args: tuple, constexprs: dict,
-                     alignment: tuple) -> Optional[_Specialised]:
-        """The direct launch for ``alignment``, compiled at its first call (None: Triton's launcher for it)."""
-        if alignment in self._by_alignment:
-            return self._by_alignment[alignment]
-        if _direct_launch_ok is None and _capturing():
-            return None  # the self-check cannot run inside CUDA graph capture: decide at a later call
-        direct = _bind_direct(plan, kernel, args, constexprs, args[0].device)
-        specialised = None
-        if direct is not None:
-            values = _launcher_values(kernel, args, constexprs)
-            direct.values = ()  # it launches with each call's values only
-            specialised = _Specialised(direct, tuple(values[i] for i in self._others), tuple(values[len(args):]))
-        self._by_alignment[alignment] = specialised
-        return specialised
-
-    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
-        self._run(tensors, self._check(tensors))
-
-    def run_if_like(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Run on ``tensors`` and return True if they are like the examples; return False, running nothing, if they
-        are not (for a caller that keeps calls for several shapes). Other problems raise as a call does."""
-        addresses = self._check(tensors, unlike_ok=True)
-        if addresses is None:
-            return False
-        self._run(tensors, addresses)
-        return True
-
-    def _run(self, tensors: Sequence[Optional[torch.Tensor]], addresses: tuple) -> None:
-        last = self._last
-        if last is not None and last[0] == addresses and not launch_hooks_installed():
-            # The same addresses as the last direct launch: the same values (the rest are the call's sizes and
-            # settings, and the layout's table, which the build holds), so the same launch.
-            last[1].launch_with(last[2])
-            return
-        call = self._build(*tensors, checked=False)
-        if call.torch_path is not None:
-            call.torch_path()
-            return
-        plan, kernel, args, constexprs = call.launch
-        launched = False
-        if self._direct and not launch_hooks_installed():
-            values = [_as_int(a) for a in args]
-            specialised = self._specialised(plan, kernel, args, constexprs,
-                                            tuple(values[i] & 15 == 0 for i in self._pointers))
-            if specialised is not None and tuple(values[i] for i in self._others) == specialised.others:
-                values.extend(specialised.tail)
-                specialised.direct.launch_with(values)
-                if call.after is None:
-                    self._last = (addresses, specialised.direct, values)
-                launched = True
-        if not launched:
-            launch(plan, kernel, args, constexprs)
-        if call.after is not None:
-            call.after()

@@ -12,7 +12,8 @@ contraction: ``-ffp-contract=off``); ``-fno-trapping-math`` only lets the compil
 built library is recorded with its SHA-256 and loaded only from the same open file whose bytes match it.
 
 No compiler, a failed build or ``DDP_TRITON_NATIVE_CPU=0`` leaves the torch path in place, with one warning for the
-first two. ``torch_wire`` also checks the library's bits against its own on first use and falls back on a mismatch.
+first two. ``cpu_fp8`` also checks the library's bits against the torch passes' on first use and falls back on a
+mismatch.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Fp8Passes:
 
 
 def enabled() -> bool:
-    """Whether the compiled passes may be used (``DDP_TRITON_NATIVE_CPU`` is not 0); read at every bind."""
+    """Whether the compiled passes may be used (``DDP_TRITON_NATIVE_CPU`` is not 0); read whenever a
+    call is built for new tensors."""
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 

@@ -7,15 +7,14 @@ so each element is rounded twice (pack, here) whatever N is.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
-from typing import Callable
-
 import torch
 
 from . import _triton, torch_wire
 from .convert import _convert, _load_fp32
 from .dtypes import BITS_DTYPE, OUT_KIND
-from .launch import Grid, KernelCall, PreparedCall, bind_call, run_call
+from .launch import Grid, KernelCall, run_call
 from .pack import uses_triton
+from .prepared import PreparedCall, with_prepare
 from .validation import check_count, check_vector
 
 triton, tl = _triton.triton, _triton.tl
@@ -53,7 +52,7 @@ def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor, ca
         if received.dtype != out.dtype and out.dtype != torch.float32:
             raise TypeError(f"out ({out.dtype}) must be received's dtype ({received.dtype}) or float32")
     if not uses_triton(out.device):
-        return KernelCall(torch_path=torch_wire.bind_sum_slices(received, n_ranks, out, canonical_nan))
+        return KernelCall(torch_path=torch_wire.sum_slices_pass(received, n_ranks, out, canonical_nan))
     src_bf16 = received.dtype == torch.bfloat16
     args = (received.view(torch.int16) if src_bf16 else received, out.view(BITS_DTYPE[out.dtype]), n_ranks,
             out.numel())
@@ -62,27 +61,21 @@ def _sum_slices_call(received: torch.Tensor, n_ranks: int, out: torch.Tensor, ca
     return KernelCall(launch=(grid, _sum_slices_kernel, args, constexprs))
 
 
+def _prepare_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
+                        canonical_nan: bool = True) -> PreparedCall:
+    """:func:`sum_slices` checked once for tensors like these; the returned call runs it on the tensors each call
+    passes, ``call(received, out)`` (:class:`~.prepared.PreparedCall`; ``canonical_nan`` as for
+    ``kernels.pack.prepare``)."""
+    return PreparedCall(lambda rec, o, checked: _sum_slices_call(rec, n_ranks, o, canonical_nan, checked),
+                        ("received", "out"), (received, out))
+
+
+@with_prepare(_prepare_sum_slices)
 def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` <- the sum of the ``n_ranks`` equal slices of ``received`` (1-D, ``n_ranks * out.numel()`` elements:
     float32, bfloat16 or float16), added in float32 in rank order and rounded once to ``out``'s dtype (received's, or
     float32: the sum itself, as a reduce-scatter whose result travels no further keeps it). NaNs are written as the
-    canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``."""
+    canonical quiet NaN, as :func:`kernels.pack` does. Returns ``out``. ``sum_slices.prepare(received, n_ranks,
+    out)``: the same, checked once, for calls that repeat it."""
     run_call(_sum_slices_call(received, n_ranks, out))
     return out
-
-
-def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                    canonical_nan: bool = True) -> Callable[[], None]:
-    """Check :func:`sum_slices` once; the returned callable repeats it with little host work (a direct launch on
-    CUDA, as :func:`kernels.bind_pack`; ``canonical_nan`` as there). It keeps the tensors alive: bind again when any
-    is reallocated."""
-    return bind_call(_sum_slices_call(received, n_ranks, out, canonical_nan))
-
-
-def prepare_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                       canonical_nan: bool = True) -> PreparedCall:
-    """Check :func:`sum_slices` once for tensors like these; the returned call runs it on the tensors each call
-    passes, ``call(received, out)``, with a bound launch's host work and without holding them
-    (:class:`~.launch.PreparedCall`; ``canonical_nan`` as for :func:`kernels.bind_pack`)."""
-    return PreparedCall(lambda rec, o, checked: _sum_slices_call(rec, n_ranks, o, canonical_nan, checked),
-                        ("received", "out"), (received, out))

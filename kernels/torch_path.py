@@ -4,8 +4,9 @@ Triton's interpreter manages a few million elements a second, far too slow for C
 take this path unless ``TRITON_INTERPRET=1``. torch's float32 -> bfloat16/float16 conversion already rounds to
 nearest even, subnormals and overflow included; only NaN differs between torch's own code paths, so NaNs are
 rewritten to the kernel's canonical quiet NaN (unless the caller takes any NaN). A scaled conversion to or from a 16-bit
-dtype multiplies in float32 in a scratch buffer and converts with torch's vectorised copy (``_scaled``); the bound
-forms (``bind_pack``, ``bind_unpack``) make their views and scratch once.
+dtype multiplies in float32 in a scratch buffer and converts with torch's vectorised copy (``_scaled``). Each
+operation is one function, ``pack_pass`` and ``unpack_pass``: the pass over the tensors it is given, its views and
+scratch made once, as a call that a plain call runs once and a prepared call repeats while its tensors stay.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .dtypes import BITS_DTYPE, OUT_KIND
 
 
 #: Elements per step of a conversion through a float32 scratch buffer: 1 MiB of float32, which stays in a core's
-#: L2 cache between the product and the rounding, and bounds the scratch a bound conversion holds.
+#: L2 cache between the product and the rounding, and bounds the scratch a pass holds.
 CHUNK = 1 << 18
 
 
@@ -86,26 +87,17 @@ def _accumulate_stats(stats: torch.Tensor, values: torch.Tensor) -> None:
     stats[1] += (~torch.isfinite(v)).sum()
 
 
-def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float) -> None:
-    """out <- concat(flatten(t)) * scale, rounded once to out.dtype."""
-    bind_pack(tensors, out, scale)()
-
-
-def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, stats: Optional[torch.Tensor]) -> None:
-    """Each tensor <- its slice of flat * scale, rounded once to its dtype; optional [sum of squares, non-finite]."""
-    bind_unpack(flat, tensors, scale, stats)()
-
-
-def bind_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float,
+def pack_pass(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float,
               canonical_nan: bool = True) -> Callable[[], None]:
-    """:func:`pack` of these tensors, its views and branches decided once (the hook repeats it every step)."""
+    """out <- concat(flatten(t)) * scale, rounded once to out.dtype (NaNs canonical unless told not to)."""
     return _in_turn(_steps([(out[p:p + t.numel()], t.reshape(-1)) for t, p in _positions(tensors)], scale,
                            canonical_nan))
 
 
-def bind_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, stats: Optional[torch.Tensor],
+def unpack_pass(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float, stats: Optional[torch.Tensor],
                 canonical_nan: bool = True) -> Callable[[], None]:
-    """:func:`unpack` into these tensors, its views and branches decided once."""
+    """Each tensor <- its slice of flat * scale, rounded once to its dtype; with ``stats``, [sum of squares,
+    non-finite count] of the values stored."""
     pairs = [(t.view(-1), flat[p:p + t.numel()]) for t, p in _positions(tensors)]
     steps = _steps(pairs, scale, canonical_nan)
     if stats is None:

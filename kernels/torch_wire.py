@@ -3,19 +3,20 @@
 CPU tensors take this path unless ``TRITON_INTERPRET=1`` (the interpreter is far too slow for training); the tests
 check that both give identical bits. Every float32 operation here is the one the kernel does, in the same order:
 scale, add the residual, choose the block's power-of-two scale, round, and sum the ranks' blocks in rank order.
+Each operation is one function (``quantize_pass``, ``reduce_pass``, ``dequantize_pass``, ``sum_blocks_pass``,
+``sum_slices_pass``): the pass over the tensors it is given, its views and scratch made once, as a call that a plain
+call runs once and a prepared call repeats. The FP8 passes are the reference of the compiled ones (``cpu_fp8.py``),
+which CPU tensors take where they build.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from . import native_cpu
 from .blocks import BlockLayout
-from .fp8 import BLOCK_ELEMENTS, E4M3, E5M2, MAX_EXPONENT, MIN_EXPONENT, NAN_CODE, ROW_BYTES, ROW_WORDS, Fp8Format
+from .fp8 import BLOCK_ELEMENTS, MAX_EXPONENT, MIN_EXPONENT, NAN_CODE, ROW_BYTES, ROW_WORDS, Fp8Format
 from .torch_path import _accumulate_stats, _converter
 
 
@@ -47,10 +48,10 @@ def _split_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return grid[:, :BLOCK_ELEMENTS], rows.view(torch.int32).view(-1, ROW_WORDS)[:, -1].view(torch.float32)
 
 
-# ---- bound forms: views, scratch buffers and branches decided once, no allocation per call -------------------------
+# ---- the passes: views, scratch buffers and branches decided once, no allocation per call where aligned ----------
 
-#: Blocks per step of the bound forms: float32 buffers of 1 MiB, which stay in a core's L2 cache between the passes
-#: over them, and bound what a bound launch holds (a few MiB, whatever the bucket's size).
+#: Blocks per step of a pass: float32 buffers of 1 MiB, which stay in a core's L2 cache between the passes over
+#: them, and bound what a pass holds (a few MiB, whatever the bucket's size).
 CHUNK_ROWS = 2048
 
 
@@ -136,20 +137,12 @@ def _row_chunks(n_rows: int, n_elements: int) -> List[Tuple[int, int, int, int]]
     return out
 
 
-def bind_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
-                         residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. Bound: on an
-    aligned layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
-    passes = _native(fmt)
-    if passes is not None:
-        return _native_quantize(passes, src, layout, rows, scale, residual)
-    return _torch_quantize(src, layout, rows, scale, fmt, residual)
-
-
-def _torch_quantize(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
-                    residual: Optional[torch.Tensor]) -> Callable[[], None]:
+def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
+                  residual: Optional[torch.Tensor]) -> Callable[[], None]:
+    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. On an aligned
+    layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
     if not _aligned(layout):
-        return lambda: quantize_blocks_scattered(src, layout, rows, scale, fmt, residual)
+        return lambda: _quantize_scattered(src, layout, rows, scale, fmt, residual)
     device, chunk_rows = src.device, min(CHUNK_ROWS, layout.n_rows)
     codes, scales = _split_rows(rows)
     x = torch.empty(chunk_rows, BLOCK_ELEMENTS, dtype=torch.float32, device=device)
@@ -184,8 +177,8 @@ def _torch_quantize(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
     return run
 
 
-def quantize_blocks_scattered(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float,
-                              fmt: Fp8Format, residual: Optional[torch.Tensor]) -> None:
+def _quantize_scattered(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
+                        residual: Optional[torch.Tensor]) -> None:
     """The quantize of a layout whose tensors end inside blocks: scattered into the padded grid, per call."""
     x = src.float()
     if scale != 1.0:
@@ -203,18 +196,10 @@ def quantize_blocks_scattered(src: torch.Tensor, layout: BlockLayout, rows: torc
         torch.index_select(left.view(-1), 0, positions, out=residual)
 
 
-def bind_reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
-                       residual: Optional[torch.Tensor]) -> Callable[[], None]:
+def reduce_pass(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
+                residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """out_rows <- the requantized sum, in float32 and rank order, of the ranks' copies of this shard's rows (+ the
-    residual); residual <- what the rounding left out. Bound: a call allocates nothing."""
-    passes = _native(fmt)
-    if passes is not None:
-        return _native_reduce(passes, received, n_ranks, out_rows, residual)
-    return _torch_reduce(received, n_ranks, out_rows, fmt, residual)
-
-
-def _torch_reduce(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
-                  residual: Optional[torch.Tensor]) -> Callable[[], None]:
+    residual); residual <- what the rounding left out. A call allocates nothing."""
     codes, scales = _split_rows(received)
     per_rank = codes.shape[0] // n_ranks
     out_codes, out_scales = _split_rows(out_rows)
@@ -245,18 +230,10 @@ def _torch_reduce(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, 
     return run
 
 
-def bind_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
-                           stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
+def dequantize_pass(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
+                    stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
     """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical unless told not to); optional
-    [sum of squares, non-finite count]. Bound: on an aligned layout a call allocates nothing."""
-    passes = _native(fmt)
-    if passes is not None:
-        return _native_dequantize(passes, rows, layout, dst, stats, canonical_nan)
-    return _torch_dequantize(rows, layout, dst, fmt, stats, canonical_nan)
-
-
-def _torch_dequantize(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
-                      stats: Optional[torch.Tensor], canonical_nan: bool = True) -> Callable[[], None]:
+    [sum of squares, non-finite count]. On an aligned layout a call allocates nothing."""
     codes, scales = _split_rows(rows)
     if not _aligned(layout):
         def scattered() -> None:
@@ -264,7 +241,7 @@ def _torch_dequantize(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
             _Decoder(fmt, layout.n_rows, dst.device)(codes, values)
             values.mul_(scales[:, None])
             _converter(dst, values.view(-1).index_select(0, layout.positions()), 1.0, canonical_nan)()
-            _finish_stats(stats, dst)
+            finish_stats(stats, dst)
 
         return scattered
     device, chunk_rows = dst.device, min(CHUNK_ROWS, layout.n_rows)
@@ -279,21 +256,44 @@ def _torch_dequantize(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor
             decode(part_codes, part_values)
             part_values.mul_(part_scales)
             store()
-        _finish_stats(stats, dst)
+        finish_stats(stats, dst)
 
     return run
 
 
-def _finish_stats(stats: Optional[torch.Tensor], dst: torch.Tensor) -> None:
+def finish_stats(stats: Optional[torch.Tensor], dst: torch.Tensor) -> None:
+    """stats, where given, <- [sum of squares, non-finite count] of ``dst``."""
     if stats is not None:
         stats.zero_()
         _accumulate_stats(stats, dst)
 
 
-def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
+def sum_blocks_pass(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor,
+                    fmt: Fp8Format) -> Callable[[], None]:
+    """out (float32) <- the values of the ``n_ranks`` row slices of ``received`` summed in float32 in rank order
+    from the first rank's: the first slice dequantized into ``out``, each further one into a float32 scratch
+    buffer and added (the kernel's roundings: each value times its scale, then the adds)."""
+    step = layout.n_rows * ROW_BYTES
+    slices = [received[r * step:(r + 1) * step] for r in range(n_ranks)]
+    first = dequantize_pass(slices[0], layout, out, fmt, None, canonical_nan=False)
+    if n_ranks == 1:
+        return first
+    part = torch.empty_like(out)
+    others = [dequantize_pass(rows, layout, part, fmt, None, canonical_nan=False) for rows in slices[1:]]
+
+    def run() -> None:
+        first()
+        for dequantize in others:
+            dequantize()
+            out.add_(part)
+
+    return run
+
+
+def sum_slices_pass(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
                     canonical_nan: bool = True) -> Callable[[], None]:
     """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order from the first
-    slice's value, rounded once. Bound: a call allocates nothing."""
+    slice's value, rounded once. A call allocates nothing."""
     size = out.numel()
     total = torch.empty(min(size, CHUNK_ROWS * BLOCK_ELEMENTS), dtype=torch.float32, device=out.device)
     steps = []
@@ -311,249 +311,3 @@ def bind_sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor,
             store()
 
     return run
-
-
-# ---- the compiled passes (native_cpu): one sweep per pass, checked against the torch passes on first use --------
-
-
-def cpu_fp8_passes(fmt: Fp8Format = E4M3) -> str:
-    """Which FP8 passes a bind on CPU tensors takes now: "compiled" (``fp8_cpu.c``) or "torch"."""
-    return "compiled" if _native(fmt) is not None else "torch"
-
-
-def _native(fmt: Fp8Format) -> Optional[native_cpu.Fp8Passes]:
-    """The compiled passes of ``fmt`` where they are enabled, built and give the torch passes' bits; else None."""
-    if not native_cpu.enabled():
-        return None
-    return _checked_native(fmt.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _checked_native(dtype: torch.dtype) -> Optional[native_cpu.Fp8Passes]:
-    library = native_cpu.library()
-    if library is None:
-        return None
-    fmt = E4M3 if dtype == torch.float8_e4m3fn else E5M2
-    passes = library["e4m3" if fmt is E4M3 else "e5m2"]
-    problem = _disagreement(passes, fmt)
-    if problem is not None:
-        warnings.warn(f"ddp_triton: the compiled CPU FP8 passes differ from the torch passes ({problem}) and are "
-                      "not used; CPU tensors take the plain-torch FP8 path", RuntimeWarning, stacklevel=3)
-        return None
-    return passes
-
-
-def _self_check_values(n: int, seed: int) -> torch.Tensor:
-    """Values over float32's whole range: magnitudes from 2^-149 to 2^120 block by block, exact zeros and -0, and
-    from five blocks on, a block of ties at FP8 precision, one holding an infinity, one a NaN and one a value whose
-    dequantized code overflows."""
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(n, generator=gen)
-    exponents = torch.randint(-149, 120, (-(-n // BLOCK_ELEMENTS),), generator=gen).repeat_interleave(BLOCK_ELEMENTS)
-    values = values * torch.pow(2.0, exponents[:n].double()).float()
-    values[1:BLOCK_ELEMENTS:7] = 0.0
-    values[2:BLOCK_ELEMENTS:11] = -0.0
-    ties = torch.arange(BLOCK_ELEMENTS, dtype=torch.float32)
-    halfway = torch.where(ties % 2 == 0, (2 * (ties % 8) + 1) / 16.0, (2 * (ties % 4) + 1) / 8.0)  # E4M3's, E5M2's
-    if n >= 5 * BLOCK_ELEMENTS:
-        values[BLOCK_ELEMENTS:2 * BLOCK_ELEMENTS] = (1.0 + halfway) * torch.where(ties % 3 == 0, -1.0, 1.0)
-        values[3 * BLOCK_ELEMENTS + 5] = float("inf")
-        values[4 * BLOCK_ELEMENTS + 9] = float("nan")
-    if n >= 6 * BLOCK_ELEMENTS:
-        values[5 * BLOCK_ELEMENTS + 3] = 3.3e38  # its block's largest code times the scale overflows to inf
-    return values
-
-
-def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]:
-    """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
-    error feedback and at scale 1 without, a reduce over three ranks, dequantize to float32 and bfloat16 with
-    canonical NaNs), or None."""
-    from .blocks import block_layout
-
-    n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
-    layout = block_layout([77, 5 * BLOCK_ELEMENTS + 3, n - 5 * BLOCK_ELEMENTS - 80], ranks)  # short blocks inside
-    src = _self_check_values(n, seed=1)
-    results = []
-    for native in (True, False):
-        residual = _self_check_values(n, seed=2) * 2.0**-10
-        rows = torch.zeros(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
-        if native:
-            _native_quantize(passes, src, layout, rows, 0.5, residual)()
-        else:
-            _torch_quantize(src, layout, rows, 0.5, fmt, residual)()
-        received = torch.cat([rows[: layout.rows_per_shard * ROW_BYTES]] * ranks)
-        out = torch.zeros(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
-        shard_residual = _self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=3) * 2.0**-12
-        dst, dst16 = torch.empty(n), torch.empty(n, dtype=torch.bfloat16)
-        plain = torch.zeros_like(rows)  # the other quantize: scale 1, no residual
-        if native:
-            _native_reduce(passes, received, ranks, out, shard_residual)()
-            _native_dequantize(passes, rows, layout, dst, None, True)()
-            _native_dequantize(passes, rows, layout, dst16, None, True)()
-            _native_quantize(passes, src, layout, plain, 1.0, None)()
-        else:
-            _torch_reduce(received, ranks, out, fmt, shard_residual)()
-            _torch_dequantize(rows, layout, dst, fmt, None, True)()
-            _torch_dequantize(rows, layout, dst16, fmt, None, True)()
-            _torch_quantize(src, layout, plain, 1.0, fmt, None)()
-        results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
-                        "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
-                        "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain})
-    for what, got in results[0].items():
-        if not torch.equal(got, results[1][what]):
-            return f"{fmt.dtype}: the {what}"
-    return None
-
-
-def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Callable[[], None]:
-    """``call``, holding ``tensors``: the C functions get addresses, so the memory behind them must live as long
-    as the bound call does (as the torch passes' views keep theirs)."""
-    call.keeps = tensors  # type: ignore[attr-defined]
-    return call
-
-
-def _row_spans(layout: BlockLayout) -> Tuple[Tuple[int, int, int, int], ...]:
-    """(first row, end row, first element, end element) of each step of CHUNK_ROWS rows of ``layout``: the
-    elements its data rows hold (empty for padding)."""
-    return layout.step_spans(CHUNK_ROWS)
-
-
-def _native_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
-                     scale: float, residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """The compiled quantize, any layout (its block table says where each row's elements are): one call for a
-    float32 bucket; a 16-bit one is widened step by step into a float32 scratch buffer that stays in cache (the
-    kernel widens, then multiplies)."""
-    apply_scale = int(scale != 1.0)
-    residual_at = residual.data_ptr() if residual is not None else None
-    table = layout.table
-    if src.dtype == torch.float32:
-        arguments = (src.data_ptr(), 0, table.data_ptr(), layout.n_rows, scale, apply_scale, residual_at,
-                     rows.data_ptr())
-        return _keeping(lambda: passes.quantize(*arguments), src, rows, residual, table)
-    wide = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
-    steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e0, table.data_ptr() + 16 * r0, r1 - r0, scale,
-                                            apply_scale, residual_at, rows.data_ptr() + ROW_BYTES * r0))
-             for r0, r1, e0, e1 in _row_spans(layout)]
-
-    def run() -> None:
-        for part, widened, arguments in steps:
-            widened.copy_(part)
-            passes.quantize(*arguments)
-
-    return _keeping(run, src, rows, residual, wide, table)
-
-
-def _native_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
-                   residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    arguments = (received.data_ptr(), out_rows.numel() // ROW_BYTES, n_ranks,
-                 residual.data_ptr() if residual is not None else None, out_rows.data_ptr())
-    return _keeping(lambda: passes.reduce(*arguments), received, out_rows, residual)
-
-
-def _native_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
-                       stats: Optional[torch.Tensor], canonical_nan: bool) -> Callable[[], None]:
-    """The compiled dequantize, any layout: straight into a float32 bucket; into a 16-bit one through a float32
-    scratch buffer, step by step, rounded once by torch's conversion."""
-    table = layout.table
-    if dst.dtype == torch.float32:
-        arguments = (rows.data_ptr(), table.data_ptr(), layout.n_blocks, dst.data_ptr(), 0, int(canonical_nan))
-
-        def direct() -> None:
-            passes.dequantize(*arguments)
-            _finish_stats(stats, dst)
-
-        return _keeping(direct, rows, dst, table)
-    values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
-    steps = [((rows.data_ptr() + ROW_BYTES * r0, table.data_ptr() + 16 * r0, min(r1, layout.n_blocks) - r0,
-               values.data_ptr(), e0, 0), _converter(dst[e0:e1], values[: e1 - e0], 1.0, canonical_nan))
-             for r0, r1, e0, e1 in _row_spans(layout) if e1 > e0]
-
-    def through_scratch() -> None:
-        for arguments, store in steps:
-            passes.dequantize(*arguments)
-            store()
-        _finish_stats(stats, dst)
-
-    return _keeping(through_scratch, rows, dst, values, table)
-
-
-def bind_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor,
-                    fmt: Fp8Format) -> Callable[[], None]:
-    """out (float32) <- the values of the ``n_ranks`` row slices of ``received`` summed in float32 in rank order
-    from the first rank's: the first slice dequantized into ``out``, each further one into a float32 scratch
-    buffer and added (the kernel's roundings: each value times its scale, then the adds)."""
-    passes = _native(fmt)
-    if passes is not None:
-        return _native_sum_blocks(passes, received, n_ranks, layout, out)
-    step = layout.n_rows * ROW_BYTES
-    slices = [received[r * step:(r + 1) * step] for r in range(n_ranks)]
-    first = bind_dequantize_blocks(slices[0], layout, out, fmt, None, canonical_nan=False)
-    if n_ranks == 1:
-        return first
-    part = torch.empty_like(out)
-    others = [bind_dequantize_blocks(rows, layout, part, fmt, None, canonical_nan=False) for rows in slices[1:]]
-
-    def run() -> None:
-        first()
-        for dequantize in others:
-            dequantize()
-            out.add_(part)
-
-    return run
-
-
-def _native_sum_blocks(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, layout: BlockLayout,
-                       out: torch.Tensor) -> Callable[[], None]:
-    """The compiled sum of blocks, step by step: each step's rows of the first rank dequantized into ``out``, each
-    further rank's into a scratch buffer that stays in cache, and added there (no scratch of ``out``'s size)."""
-    table, rank_bytes = layout.table, layout.n_rows * ROW_BYTES
-    values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=out.device)
-    steps = []
-    for r0, r1, e0, e1 in _row_spans(layout):
-        if e1 == e0:
-            continue
-        rows = min(r1, layout.n_blocks) - r0
-        at = [(received.data_ptr() + rank * rank_bytes + ROW_BYTES * r0, table.data_ptr() + 16 * r0, rows)
-              for rank in range(n_ranks)]
-        steps.append((at, e0, out[e0:e1], values[: e1 - e0]))
-
-    def run() -> None:
-        for at, e0, part_out, part_values in steps:
-            passes.dequantize(*at[0], out.data_ptr(), 0, 0)
-            for rows_at in at[1:]:
-                passes.dequantize(*rows_at, values.data_ptr(), e0, 0)
-                part_out.add_(part_values)
-
-    return _keeping(run, received, out, values, table)
-
-
-# ---- plain calls: the bound form, made and run once -------------------------------------------------------------
-
-
-def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
-                    residual: Optional[torch.Tensor]) -> None:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out."""
-    bind_quantize_blocks(src, layout, rows, scale, fmt, residual)()
-
-
-def reduce_blocks(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
-                  residual: Optional[torch.Tensor]) -> None:
-    """out_rows <- the requantized sum, in float32 and rank order, of the ranks' copies of this shard's rows."""
-    bind_reduce_blocks(received, n_ranks, out_rows, fmt, residual)()
-
-
-def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, fmt: Fp8Format,
-                      stats: Optional[torch.Tensor]) -> None:
-    """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical); optional [sum of squares, non-finite]."""
-    bind_dequantize_blocks(rows, layout, dst, fmt, stats)()
-
-
-def sum_slices(received: torch.Tensor, n_ranks: int, out: torch.Tensor) -> None:
-    """out <- the sum of the ``n_ranks`` equal slices of ``received``, in float32 and rank order, rounded once."""
-    bind_sum_slices(received, n_ranks, out)()
-
-
-def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor,
-               fmt: Fp8Format) -> None:
-    """out (float32) <- the ranks' row slices' values summed in float32 in rank order."""
-    bind_sum_blocks(received, n_ranks, layout, out, fmt)()

@@ -3,7 +3,8 @@
 A list of tensors on one side (the sources of pack, the destinations of unpack) and one flat buffer on the other.
 Tensors that are contiguous neighbours in memory (DDP's bucket views are) are merged into one segment, each segment
 is cut into blocks, and every block becomes one int64 row ``(src_offset, dst_offset, length)`` in elements relative to
-two base pointers. Plans depend only on addresses and sizes, so they are cached and built once per layout.
+two base pointers. A plan depends only on addresses and sizes: a prepared call builds one when its tensors' addresses
+change, and keeps it while they stay.
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-
-from .lru import CAPACITY, LRU
-
-# Plans are small (24 bytes per block) but a long-running job may see many layouts: PLANS keeps the recent ones.
 
 
 @dataclass(frozen=True)
@@ -82,8 +79,8 @@ def build_plan(
 
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a new multi-tensor layout cannot be planned during CUDA graph capture (its work table "
-                           "is copied to the GPU, which capture forbids); run pack/unpack once on these tensors "
-                           "before capturing")
+                           "is copied to the GPU, which capture forbids); fix a prepared call to these tensors "
+                           "before capturing (pack.prepare(...).fixed(...)), and call that inside capture")
     elsize = tensors[base_index].element_size()
     base_ptr = tensors[base_index].data_ptr()
     tensor_starts, flat_starts, lengths = [], [], []
@@ -108,27 +105,3 @@ def build_plan(
     src, dst = (tensor_off, flat_off) if tensors_are_source else (flat_off, tensor_off)
     table = torch.stack([src, dst, length], dim=1).contiguous()
     return Plan(table.to(device), table.shape[0], total, block, num_warps, base_index)
-
-
-class PlanCache:
-    """Plans keyed by layout: addresses, sizes, dtype, direction and device, in an :class:`~.lru.LRU`. Safe to use
-    from several threads (a plan built twice by a race is the same plan)."""
-
-    def __init__(self, capacity: int = CAPACITY) -> None:
-        self._plans: LRU[Plan] = LRU(capacity)
-
-    def get(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, tensors_are_source: bool) -> Plan:
-        device = flat.device
-        key = (tensors_are_source, str(device), flat.data_ptr(), flat.numel(),
-               tensors[0].element_size() if tensors else 0, tuple((t.data_ptr(), t.numel()) for t in tensors))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = build_plan(tensors, flat, tensors_are_source, device)  # outside any lock: it may copy to the GPU
-            self._plans.put(key, plan)
-        return plan
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-
-PLANS = PlanCache()

@@ -1,5 +1,5 @@
-"""The compiled path on one GPU: kernel bits on CUDA, the bound launch, and triton_hook under DDP over NCCL at world
-size 1.
+"""The compiled path on one GPU: kernel bits on CUDA, the prepared call fixed to its tensors (a direct launch), and
+triton_hook under DDP over NCCL at world size 1.
 
 Tier: GPU (skipped without CUDA). The same kernels' bits in Triton's interpreter are in test_kernels.py.
 """
@@ -12,20 +12,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from bits import assert_same_bits, reference_pack
-from ddp_triton.kernels import bind_pack, bind_unpack, launch, pack, unpack
-from ddp_triton.kernels.layouts import signature
-from ddp_triton.kernels.pack import LAYOUTS
+from ddp_triton.kernels import launch, pack, unpack
 from bits import DTYPE_IDS, DTYPES, EDGE_FLOAT32, random_bit_patterns
 
 pytestmark = pytest.mark.gpu
 
 
-def test_bound_launch_takes_the_direct_path_and_agrees():
+def test_fixed_call_takes_the_direct_path_and_agrees():
     grads = [torch.randn(n, device="cuda") for n in (5000, 17, 70000)]
     out = torch.empty(75017, dtype=torch.bfloat16, device="cuda")
-    again = bind_pack(grads, out, 0.25)
+    again = pack.prepare(grads, out, 0.25).fixed(grads, out)
+    again()
     assert launch._direct_launch_ok, "the direct launch failed its self-check on this Triton version"
-    assert again._direct is not None
+    assert again.direct
     for g in grads:
         g.mul_(-2)
     again()
@@ -50,8 +49,7 @@ def test_triton_hook_over_nccl(nccl_world_of_one, gabv):
         # world size 1: the hook's result is the gradient rounded once to bfloat16
         assert_same_bits(p.grad, q.grad.to(torch.bfloat16).float())
     assert len(state.plans) >= 2
-    assert all(e.exchange.stages[0].compute._direct is not None and e.exchange.finish._direct is not None
-               for e in state.plans.values())
+    assert all(e.exchange.stages[0].compute.direct and e.exchange.finish.direct for e in state.plans.values())
 
 
 def test_triton_hook_scaled_kernels_over_nccl(nccl_world_of_one):
@@ -70,20 +68,6 @@ def test_triton_hook_scaled_kernels_over_nccl(nccl_world_of_one):
         assert_same_bits(p.grad, q.grad.mul(0.25).to(torch.float16).float().mul(0.25))
 
 
-def test_plain_pack_reuses_its_direct_launch():
-    grads = [torch.randn(n, device="cuda") for n in (4096, 300)]
-    out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
-    pack(grads, out, 0.5)
-    layout = LAYOUTS.get(signature("pack", grads, out, 0.5))
-    assert layout is not None and layout.direct is not None, "plain pack() did not take the direct launch"
-    entries = len(LAYOUTS)
-    for g in grads:
-        g.mul_(3)
-    pack(grads, out, 0.5)  # same memory and layout: the cached direct launch, no new entry
-    assert len(LAYOUTS) == entries and LAYOUTS.get(signature("pack", grads, out, 0.5)) is layout
-    assert_same_bits(out, reference_pack([g.cpu() for g in grads], torch.bfloat16, 0.5))
-
-
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("src_dtype", DTYPES, ids=DTYPE_IDS)
 def test_compiled_kernel_bits_on_cuda(src_dtype, out_dtype):
@@ -95,7 +79,7 @@ def test_compiled_kernel_bits_on_cuda(src_dtype, out_dtype):
         expected = reference_pack([t.cpu() for t in tensors], out_dtype, scale)
         assert_same_bits(out, expected)
         back = [torch.empty_like(t) for t in tensors]
-        bind_unpack(out, back, 1 / scale)()
+        unpack.prepare(out, back, 1 / scale).fixed(out, back, None)()
         assert_same_bits(torch.cat(back), out.cpu().float().mul(1 / scale).to(src_dtype))
 
 
@@ -106,7 +90,7 @@ def test_compiled_contiguous_kernel_scaled_on_cuda(out_dtype):
     bucket = bucket.cuda()
     for scale in (1 / 8, 1 / 3, 0.5):
         comm = torch.empty(bucket.numel(), dtype=out_dtype, device="cuda")
-        bind_pack([bucket], comm, scale)()
+        pack.prepare([bucket], comm, scale).fixed([bucket], comm)()
         assert_same_bits(comm, reference_pack([bucket.cpu()], out_dtype, scale))
         back = torch.empty_like(bucket)
         stats = torch.zeros(2, device="cuda")
@@ -145,13 +129,15 @@ def test_misaligned_full_blocks_on_cuda():
     assert_same_bits(torch.cat(back), out.cpu().float().mul(8.0))
 
 
-def test_bound_launch_from_a_thread_without_a_current_device():
+def test_fixed_call_from_a_thread_without_a_current_device():
     """The direct launch goes to its tensors' device, also from a fresh thread (no current context set there)."""
     import threading
 
     grads = [torch.randn(n, device="cuda") for n in (5000, 17, 70000)]
     out = torch.empty(75017, dtype=torch.bfloat16, device="cuda")
-    bound = bind_pack(grads, out, 0.5)
+    bound = pack.prepare(grads, out, 0.5).fixed(grads, out)
+    bound()  # compiles the direct launch on this thread
+    assert bound.direct
     out.zero_()
     torch.cuda.synchronize()
     errors = []
@@ -171,7 +157,7 @@ def test_bound_launch_from_a_thread_without_a_current_device():
 
 
 def test_concurrent_plain_packs_from_threads():
-    """Plain pack() from several threads at once: the plan and launch caches stay consistent."""
+    """Plain pack() from several threads at once, each on its own tensors: every thread's bits."""
     from concurrent.futures import ThreadPoolExecutor
 
     layouts = [[torch.randn(n + k, device="cuda") for n in (300, 17, 4100)] for k in range(8)]
@@ -190,13 +176,15 @@ def test_concurrent_plain_packs_from_threads():
 
 
 def test_launch_hooks_are_honoured():
-    """With a Triton launch hook installed (as Proton installs one), bound launches go through Triton's launcher,
-    which calls it."""
+    """With a Triton launch hook installed (as Proton installs one), a fixed call's direct launch gives way to
+    Triton's launcher, which calls it."""
     seen = []
     hooks = launch._HOOKS
     grads = [torch.randn(n, device="cuda") for n in (4096, 300)]
     out = torch.empty(4396, dtype=torch.bfloat16, device="cuda")
-    bound = bind_pack(grads, out, 0.5)
+    bound = pack.prepare(grads, out, 0.5).fixed(grads, out)
+    bound()
+    assert bound.direct
     chain = getattr(hooks, "launch_enter_hook")
 
     def hook(metadata):
@@ -220,21 +208,21 @@ def test_launch_hooks_are_honoured():
 
 CAPTURE_PROBE = r"""
 import torch
-from ddp_triton.kernels import bind_pack, bind_unpack, launch
-from ddp_triton.kernels.worklist import PLANS
+from ddp_triton.kernels import launch, pack, unpack
 
 grads = [torch.randn(n, device="cuda") for n in (3000, 17, 5000)]
 bucket = torch.randn(8017, device="cuda")
 flat = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
 comm = torch.empty(8017, dtype=torch.bfloat16, device="cuda")
-# Plan the layouts and compile the kernels (not the direct launch's self-check) before capture, as a warm-up would.
+# Compile the kernels through Triton's launcher (plain calls: not the direct launch's self-check) and fix the calls
+# (which plans their work lists) before capture, as a warm-up would.
+pack(grads, flat, 0.5)
+unpack(flat, grads, 2.0)
+pack([bucket], comm, 0.25)
+pack_grads = pack.prepare(grads, flat, 0.5).fixed(grads, flat)
+unpack_grads = unpack.prepare(flat, grads, 2.0).fixed(flat, grads, None)
+pack_bucket = pack.prepare([bucket], comm, 0.25).fixed([bucket], comm)
 flat.zero_()
-for tensors, flat_side, from_tensors, scale, out_kind in ((grads, flat, True, 0.5, 0), (grads, flat, False, 2.0, 2),
-                                                          ([bucket], comm, True, 0.25, 0)):
-    plan = PLANS.get(tensors, flat_side, from_tensors)
-    src, dst = (tensors[0], flat_side.view(torch.int16)) if from_tensors else (flat_side, tensors[0].view(torch.int32))
-    kernel, args, constexprs = launch.kernel_arguments(plan, src, dst, scale, out_kind, None)
-    launch.launch(plan, kernel, args, constexprs)
 for g in grads:
     g.copy_(torch.randn_like(g))
 torch.cuda.synchronize()
@@ -243,10 +231,7 @@ stream = torch.cuda.Stream()
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.stream(stream):
     with torch.cuda.graph(graph, stream=stream):
-        pack = bind_pack(grads, flat, 0.5)          # first binds of the process, inside capture
-        unpack = bind_unpack(flat, grads, 2.0)
-        bucket_pack = bind_pack([bucket], comm, 0.25)
-        pack(); unpack(); bucket_pack()
+        pack_grads(); unpack_grads(); pack_bucket()  # their first calls in the process, inside capture
 assert launch._direct_launch_ok is None, "the self-check ran inside capture"
 for g in grads:
     g.mul_(3)
@@ -259,16 +244,16 @@ torch.cuda.synchronize()
 assert torch.equal(flat.view(torch.int16), expected_flat.view(torch.int16))
 assert torch.equal(torch.cat(grads), expected_grads)
 assert torch.equal(comm.view(torch.int16), expected_comm.view(torch.int16))
-pack()  # outside capture: binds directly now
-assert launch._direct_launch_ok is True and pack._direct is not None
+pack_grads()  # outside capture: compiles the direct launch now
+assert launch._direct_launch_ok is True and pack_grads.direct
 print("ok")
 """
 
 
-def test_first_bind_inside_cuda_graph_capture_then_replay():
-    """Binding before the direct launch's self-check has run, inside capture (where it may not synchronise): the
-    graph records Triton's launches and replays them with the right bits; outside capture the bind goes direct.
-    In a fresh process, so that nothing has run the self-check yet."""
+def test_first_call_inside_cuda_graph_capture_then_replay():
+    """Fixed calls first called before the direct launch's self-check has run, inside capture (where it may not
+    synchronise): the graph records Triton's launches and replays them with the right bits; outside capture the call
+    goes direct. In a fresh process, so that nothing has run the self-check yet."""
     import subprocess
     import sys
 
@@ -276,15 +261,17 @@ def test_first_bind_inside_cuda_graph_capture_then_replay():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
-def test_hook_bound_launches_replay_in_a_cuda_graph():
-    """The hook's kind of launch (bound, direct) captured and replayed: same bits as eager."""
+def test_hook_fixed_calls_replay_in_a_cuda_graph():
+    """The hook's kind of launch (a prepared call fixed to the bucket, direct) captured and replayed: same bits as
+    eager."""
     bucket = torch.randn(3 * 4096 + 977, device="cuda")
     comm = torch.empty(bucket.numel(), dtype=torch.bfloat16, device="cuda")
-    pack_bucket = bind_pack([bucket], comm, 1 / 8)
-    unpack_bucket = bind_unpack(comm, [bucket], 1.0)
+    pack_bucket = pack.prepare([bucket], comm, 1 / 8).fixed([bucket], comm)
+    unpack_bucket = unpack.prepare(comm, [bucket], 1.0).fixed(comm, [bucket], None)
     pack_bucket()
+    unpack_bucket()
     torch.cuda.synchronize()
-    assert pack_bucket._direct is not None
+    assert pack_bucket.direct and unpack_bucket.direct
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):

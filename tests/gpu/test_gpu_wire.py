@@ -13,9 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from bits import assert_same_bits
-from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks, bind_sum_slices,
-                                block_layout, dequantize_blocks, fp8, quantize_blocks, reduce_blocks, sum_slices)
-from ddp_triton.kernels import torch_wire
+from ddp_triton.kernels import block_layout, dequantize_blocks, fp8, quantize_blocks, reduce_blocks, sum_slices
+from ddp_triton.kernels import cpu_fp8, torch_wire
 from wire_reference import fp8_average
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +37,7 @@ def test_fp8_kernels_same_bits_as_torch_path_on_cuda(fmt, dtype):
     residual = gradient_like(sizes, seed=1) * 1e-3
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
     res = residual.clone()
-    torch_wire.quantize_blocks(x, layout, rows, 0.25, spec, res)
+    cpu_fp8.quantize_pass(x, layout, rows, 0.25, spec, res)()
     rows_gpu, res_gpu = torch.empty_like(rows).cuda(), residual.cuda()
     quantize_blocks(x.cuda(), layout, rows_gpu, 0.25, fmt=fmt, residual=res_gpu)
     assert torch.equal(rows_gpu.cpu(), rows)
@@ -47,13 +46,13 @@ def test_fp8_kernels_same_bits_as_torch_path_on_cuda(fmt, dtype):
     received = rows.view(-1, fp8.ROW_BYTES)[:per].repeat(ranks, 1).reshape(-1)
     out, shard_res = torch.empty(per * fp8.ROW_BYTES, dtype=torch.uint8), torch.full((per * 128,), 1e-4)
     out_gpu, shard_res_gpu = out.cuda(), shard_res.cuda()
-    torch_wire.reduce_blocks(received, ranks, out, spec, shard_res)
+    cpu_fp8.reduce_pass(received, ranks, out, spec, shard_res)()
     reduce_blocks(received.cuda(), ranks, out_gpu, fmt=fmt, residual=shard_res_gpu)
     assert torch.equal(out_gpu.cpu(), out)
     assert_same_bits(shard_res_gpu.cpu(), shard_res)
     dst, dst_gpu = torch.empty(layout.n_elements, dtype=dtype), torch.empty(layout.n_elements, dtype=dtype,
                                                                             device="cuda")
-    torch_wire.dequantize_blocks(rows, layout, dst, spec, None)
+    cpu_fp8.dequantize_pass(rows, layout, dst, spec, None)()
     dequantize_blocks(rows.cuda(), layout, dst_gpu, fmt=fmt)
     assert_same_bits(dst_gpu.cpu(), dst)
 
@@ -62,27 +61,30 @@ def test_fp8_kernels_same_bits_as_torch_path_on_cuda(fmt, dtype):
 def test_sum_slices_same_bits_as_torch_path_on_cuda(dtype):
     received = (torch.randn(8 * 100003) * 50).to(dtype)
     out = torch.empty(100003, dtype=dtype)
-    torch_wire.sum_slices(received, 8, out)
+    torch_wire.sum_slices_pass(received, 8, out)()
     out_gpu = sum_slices(received.cuda(), 8, torch.empty(100003, dtype=dtype, device="cuda"))
     assert_same_bits(out_gpu.cpu(), out)
 
 
-def test_bound_wire_launches_take_the_direct_path_and_agree_with_plain_calls():
+def test_fixed_wire_calls_take_the_direct_path_and_agree_with_plain_calls():
     sizes, ranks, per_row = [1000, 129, 3, 70000], 3, fp8.ROW_BYTES
     layout = block_layout(sizes, ranks)
     x = gradient_like(sizes).cuda()
     per = layout.rows_per_shard
     received = torch.empty(per * per_row * ranks, dtype=torch.uint8, device="cuda")
-    plain, bound = ({"rows": torch.zeros(layout.n_rows * per_row, dtype=torch.uint8, device="cuda"),
+    plain, fixed = ({"rows": torch.zeros(layout.n_rows * per_row, dtype=torch.uint8, device="cuda"),
                      "res": torch.zeros_like(x), "out": torch.zeros(per * per_row, dtype=torch.uint8, device="cuda"),
                      "shard_res": torch.zeros(per * 128, device="cuda"), "dst": torch.empty_like(x),
                      "stats": torch.zeros(2, device="cuda"),
                      "sum": torch.empty(len(x) // ranks, dtype=torch.bfloat16, device="cuda")} for _ in range(2))
     slices16 = x[: len(x) // ranks * ranks].to(torch.bfloat16)
-    quantize = bind_quantize_blocks(x, layout, bound["rows"], 0.25, residual=bound["res"])
-    reduce = bind_reduce_blocks(received, ranks, bound["out"], residual=bound["shard_res"])
-    dequantize = bind_dequantize_blocks(bound["rows"], layout, bound["dst"], stats=bound["stats"])
-    summed = bind_sum_slices(slices16, ranks, bound["sum"])
+    quantize = quantize_blocks.prepare(x, layout, fixed["rows"], 0.25, residual=fixed["res"]).fixed(
+        x, fixed["rows"], fixed["res"])
+    reduce = reduce_blocks.prepare(received, ranks, fixed["out"], residual=fixed["shard_res"]).fixed(
+        received, fixed["out"], fixed["shard_res"])
+    dequantize = dequantize_blocks.prepare(fixed["rows"], layout, fixed["dst"], stats=fixed["stats"]).fixed(
+        fixed["rows"], fixed["dst"], fixed["stats"])
+    summed = sum_slices.prepare(slices16, ranks, fixed["sum"]).fixed(slices16, fixed["sum"])
     for step in range(2):  # the second step reads the buffers' new contents
         x.mul_(-0.5 if step else 1.0)
         quantize_blocks(x, layout, plain["rows"], 0.25, residual=plain["res"])
@@ -97,10 +99,10 @@ def test_bound_wire_launches_take_the_direct_path_and_agree_with_plain_calls():
         torch.cuda.synchronize()
         for name, want in plain.items():
             if want.dtype == torch.uint8:
-                assert torch.equal(bound[name], want), name
+                assert torch.equal(fixed[name], want), name
             else:
-                assert_same_bits(bound[name], want)
-    assert quantize._direct is not None and reduce._direct is not None and summed._direct is not None
+                assert_same_bits(fixed[name], want)
+    assert quantize.direct and reduce.direct and dequantize.direct and summed.direct
 
 
 def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkeypatch):
@@ -127,9 +129,9 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkey
                 "packed": torch.empty(n, dtype=torch.bfloat16, device="cuda")}
 
     first = buffers(0)
-    quantize = kernels.prepare_quantize_blocks(first["src"], layout, first["rows"], 0.25, residual=first["res"])
-    add = kernels.prepare_sum_blocks(first["rows"], ranks, row_layout, first["sum"])
-    pack = kernels.prepare_pack(first["src"], first["packed"], 0.25)
+    quantize = kernels.quantize_blocks.prepare(first["src"], layout, first["rows"], 0.25, residual=first["res"])
+    add = kernels.sum_blocks.prepare(first["rows"], ranks, row_layout, first["sum"])
+    pack = kernels.pack.prepare([first["src"]], first["packed"], 0.25)
     calls = [(buffers(seed), buffers(seed)) for seed in (1, 2, 3)]
     calls[-1][0]["src"] = torch.cat([torch.zeros(1, device="cuda"), calls[-1][0]["src"]])[1:]  # 4 bytes past 16
     calls.append(calls[-1])  # the same buffers again: a relaunch of the last call's values
@@ -137,7 +139,7 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkey
         before = len(direct)
         quantize(got["src"], got["rows"], got["res"])  # the residual carried: a repeat must update it again
         add(got["rows"], got["sum"])
-        pack(got["src"], got["packed"])
+        pack([got["src"]], got["packed"])
         assert len(direct) == before + 3
         kernels.quantize_blocks(want["src"], layout, want["rows"], 0.25, residual=want["res"])
         kernels.sum_blocks(want["rows"], ranks, row_layout, want["sum"])
@@ -146,7 +148,7 @@ def test_prepared_calls_take_each_calls_buffers_through_the_direct_launch(monkey
         assert torch.equal(got["rows"], want["rows"])
         for name in ("res", "sum", "packed"):
             assert_same_bits(got[name], want[name])
-    assert [len(call._by_alignment) for call in (quantize, add, pack)] == [2, 1, 2]
+    assert [len(call._compiled) for call in (quantize, add, pack)] == [2, 1, 2]
 
 
 @pytest.mark.parametrize("options", [dict(comm_dtype=torch.float8_e4m3fn),

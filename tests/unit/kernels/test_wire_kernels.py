@@ -1,7 +1,8 @@
 """Wire-format kernels: block-scaled FP8 (quantize, reduce, dequantize) and the float32 sum of slices.
 
 Tier: no device. The Triton kernels run in Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1);
-each is compared bit for bit with the plain-torch path CPU training uses (``kernels.torch_wire``), and both with
+each is compared bit for bit with the CPU path training uses (``kernels.cpu_fp8``: the compiled passes where they
+build, else the torch passes of ``kernels.torch_wire``; ``torch_wire`` for the sum of slices), and both with
 references written here from the format's definition: ``tensor.to(torch.float8_*)`` for the rounding, a power-of-two
 scale per tensor block, float32 sums in rank order.
 """
@@ -11,7 +12,7 @@ import torch
 
 from bits import assert_same_bits, bits
 from interpreter import interpreter_problem
-from ddp_triton.kernels import blockscale, fp8, slices, torch_wire, uses_triton
+from ddp_triton.kernels import blockscale, cpu_fp8, fp8, slices, torch_wire, uses_triton
 from ddp_triton.kernels.blocks import block_layout
 
 FORMATS = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
@@ -154,7 +155,7 @@ def test_quantize_with_residual_same_bits_as_torch_path(fmt, dtype, sizes):
     rows, rows_ref = rows_for(layout), rows_for(layout)
     res, res_ref = residual.clone(), residual.clone()
     blockscale.quantize_blocks(x, layout, rows, 0.5, fmt=fmt, residual=res)
-    torch_wire.quantize_blocks(x, layout, rows_ref, 0.5, fp8.FORMATS[fmt], res_ref)
+    cpu_fp8.quantize_pass(x, layout, rows_ref, 0.5, fp8.FORMATS[fmt], res_ref)()
     assert torch.equal(rows, rows_ref)
     assert_same_bits(res, res_ref)
     # The residual is what the rounding left out: value = dequantized + residual, in float64 up to float32 rounding.
@@ -174,7 +175,7 @@ def test_a_non_finite_block_is_sent_as_nan_and_its_residual_reset():
         if path == "triton":
             blockscale.quantize_blocks(x, layout, rows, residual=residual)
         else:
-            torch_wire.quantize_blocks(x, layout, rows, 1.0, fp8.E4M3, residual)
+            cpu_fp8.quantize_pass(x, layout, rows, 1.0, fp8.E4M3, residual)()
         codes, scales = split(rows)
         assert (codes[0] == fp8.NAN_CODE).all() and scales[0].item() == 1.0, path
         assert (residual[:128] == 0).all() and not (residual[128:] == 0.5).all(), path
@@ -206,7 +207,7 @@ def test_reduce_same_bits_as_torch_path_and_sums_in_rank_order(fmt, n_ranks, res
     res = None if r0 is None else r0.clone()
     res_ref = None if r0 is None else r0.clone()
     blockscale.reduce_blocks(received, n_ranks, out, fmt=fmt, residual=res)
-    torch_wire.reduce_blocks(received, n_ranks, out_ref, fp8.FORMATS[fmt], res_ref)
+    cpu_fp8.reduce_pass(received, n_ranks, out_ref, fp8.FORMATS[fmt], res_ref)()
     assert torch.equal(out, out_ref)
     if residual:
         assert_same_bits(res, res_ref)
@@ -245,7 +246,7 @@ def test_sum_blocks_adds_the_ranks_values_in_float32_in_rank_order(fmt, n_ranks,
         received.view(n_ranks, layout.n_rows, fp8.ROW_BYTES)[:, 0, 0] = 0x80
     out, out_ref = torch.full((layout.n_elements,), float("nan")), torch.empty(layout.n_elements)
     blockscale.sum_blocks(received, n_ranks, layout, out, fmt=fmt)
-    torch_wire.sum_blocks(received, n_ranks, layout, out_ref, fp8.FORMATS[fmt])
+    cpu_fp8.sum_blocks_pass(received, n_ranks, layout, out_ref, fp8.FORMATS[fmt])()
     assert_same_bits(out, out_ref)
     # Independently: each rank's codes times its block's scale, added in float32 in rank order, in the tensors' places.
     codes, scales = split(received)
@@ -271,7 +272,7 @@ def test_sum_blocks_adds_in_rank_order_not_any_order(fmt):
         block = torch.zeros(128)
         block[0] = value
         blockscale.quantize_blocks(block, layout, received[rank * step:(rank + 1) * step], fmt=fmt)
-    for run in (blockscale.sum_blocks, lambda *a, fmt: torch_wire.sum_blocks(*a, fp8.FORMATS[fmt])):
+    for run in (blockscale.sum_blocks, lambda *a, fmt: cpu_fp8.sum_blocks_pass(*a, fp8.FORMATS[fmt])()):
         out = torch.empty(128)
         run(received, 3, layout, out, fmt=fmt)
         assert out[0].item() == 1.0 and torch.equal(out[1:], torch.zeros(127))
@@ -294,7 +295,7 @@ def test_sum_blocks_keeps_nan_and_inf_where_the_sum_has_them(fmt):
         received.view(2, layout.n_rows, fp8.ROW_BYTES)[0, 1, 9] = 0x7C
         received.view(2, layout.n_rows, fp8.ROW_BYTES)[1, 1, 9] = 0xFC
         want_nan[128 + 9] = True
-    for run in (blockscale.sum_blocks, lambda *a, fmt: torch_wire.sum_blocks(*a, fp8.FORMATS[fmt])):
+    for run in (blockscale.sum_blocks, lambda *a, fmt: cpu_fp8.sum_blocks_pass(*a, fp8.FORMATS[fmt])()):
         out = torch.empty(256)
         run(received, 2, layout, out, fmt=fmt)
         assert torch.equal(torch.isnan(out), want_nan)
@@ -324,7 +325,7 @@ def test_dequantize_same_bits_as_torch_path_with_stats(fmt, dtype):
     out, out_ref = torch.empty(layout.n_elements, dtype=dtype), torch.empty(layout.n_elements, dtype=dtype)
     stats, stats_ref = torch.empty(2), torch.empty(2)
     blockscale.dequantize_blocks(rows, layout, out, fmt=fmt, stats=stats)
-    torch_wire.dequantize_blocks(rows, layout, out_ref, fp8.FORMATS[fmt], stats_ref)
+    cpu_fp8.dequantize_pass(rows, layout, out_ref, fp8.FORMATS[fmt], stats_ref)()
     assert_same_bits(out, out_ref)
     # Both paths sum squares in a different order: float32 summation error over a few hundred terms.
     assert torch.allclose(stats, stats_ref, rtol=1e-5)
@@ -344,7 +345,7 @@ def test_sum_slices_adds_in_float32_in_rank_order(dtype, n_ranks, size):
     received.view(n_ranks, size)[:, 0] = -0.0  # every rank's -0.0 sums to -0.0, as an all-reduce of them does
     out, out_ref = torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
     slices.sum_slices(received, n_ranks, out)
-    torch_wire.sum_slices(received, n_ranks, out_ref)
+    torch_wire.sum_slices_pass(received, n_ranks, out_ref)()
     assert_same_bits(out, out_ref)
     total = received[:size].float()
     for rank in range(1, n_ranks):
@@ -360,7 +361,7 @@ def test_sum_slices_into_float32_keeps_the_sum_unrounded(dtype):
     received = (torch.randn(n_ranks * size, generator=gen) * 100).to(dtype)
     out, out_ref = torch.empty(size), torch.empty(size)
     slices.sum_slices(received, n_ranks, out)
-    torch_wire.sum_slices(received, n_ranks, out_ref)
+    torch_wire.sum_slices_pass(received, n_ranks, out_ref)()
     total = received[:size].float()
     for rank in range(1, n_ranks):
         total = total + received[rank * size: (rank + 1) * size].float()
@@ -405,12 +406,13 @@ def test_bad_input_is_refused_by_name():
         block_layout([-1], 1)
 
 
-# ---- bound launches (what the hook's exchanges replay every step) ---------------------------------------------------
+# ---- fixed prepared calls (what the hook's exchanges run every step) -----------------------------------------------
 
 
 def _fp8_round_trip(calls, src, layout, n_ranks, fmt):
     """Quantize, reduce the same rows as if every rank sent them, dequantize with stats: every output, as run by
-    ``calls`` (the plain functions or their bound forms), over two steps with new bucket contents between."""
+    ``calls`` (the plain functions or their prepared calls fixed to the tensors), over two steps with new bucket
+    contents between."""
     rows, shard = rows_for(layout), torch.empty(layout.rows_per_shard * fp8.ROW_BYTES, dtype=torch.uint8)
     received = torch.empty(layout.rows_per_shard * fp8.ROW_BYTES * n_ranks, dtype=torch.uint8)
     residual, shard_residual = torch.zeros(src.numel()), torch.zeros(layout.rows_per_shard * 128)
@@ -419,7 +421,7 @@ def _fp8_round_trip(calls, src, layout, n_ranks, fmt):
                                          n_ranks, fmt)
     outputs = []
     for step in range(2):
-        src.mul_(-0.5 if step else 1.0)  # the same buffers, new values: a bound launch must read them afresh
+        src.mul_(-0.5 if step else 1.0)  # the same buffers, new values: a fixed call must read them afresh
         quantize()
         received.copy_(rows[: shard.numel()].repeat(n_ranks))
         reduce()
@@ -434,20 +436,22 @@ def _plain(src, layout, rows, received, shard, residual, shard_residual, dst, st
             lambda: blockscale.dequantize_blocks(rows, layout, dst, fmt=fmt, stats=stats))
 
 
-def _bound(src, layout, rows, received, shard, residual, shard_residual, dst, stats, n_ranks, fmt):
-    return (blockscale.bind_quantize_blocks(src, layout, rows, 0.5, fmt=fmt, residual=residual),
-            blockscale.bind_reduce_blocks(received, n_ranks, shard, fmt=fmt, residual=shard_residual),
-            blockscale.bind_dequantize_blocks(rows, layout, dst, fmt=fmt, stats=stats))
+def _fixed(src, layout, rows, received, shard, residual, shard_residual, dst, stats, n_ranks, fmt):
+    return (blockscale.quantize_blocks.prepare(src, layout, rows, 0.5, fmt=fmt, residual=residual).fixed(
+                src, rows, residual),
+            blockscale.reduce_blocks.prepare(received, n_ranks, shard, fmt=fmt, residual=shard_residual).fixed(
+                received, shard, shard_residual),
+            blockscale.dequantize_blocks.prepare(rows, layout, dst, fmt=fmt, stats=stats).fixed(rows, dst, stats))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_bound_fp8_launches_replay_the_plain_calls_bit_for_bit(fmt):
+def test_fixed_fp8_calls_repeat_the_plain_calls_bit_for_bit(fmt):
     sizes, n_ranks = [129, 7, 300], 3
     layout = block_layout(sizes, n_ranks)
     src = gradient_like(sizes, torch.float32)
     plain = _fp8_round_trip(_plain, src.clone(), layout, n_ranks, fmt)
-    bound = _fp8_round_trip(_bound, src.clone(), layout, n_ranks, fmt)
-    for a, b in zip(plain, bound):
+    fixed = _fp8_round_trip(_fixed, src.clone(), layout, n_ranks, fmt)
+    for a, b in zip(plain, fixed):
         if a.dtype == torch.uint8:  # rows: codes and scales
             assert torch.equal(b, a)
         else:
@@ -455,46 +459,46 @@ def test_bound_fp8_launches_replay_the_plain_calls_bit_for_bit(fmt):
     assert plain[-1][0] > 0 and not torch.equal(plain[4], plain[10])  # stats written; step 2 saw the new values
 
 
-def test_bound_sum_slices_replays_the_plain_call_and_refuses_bad_input_at_bind():
+def test_fixed_sums_repeat_the_plain_calls_and_bad_input_is_refused_when_prepared():
     received = torch.randn(3 * 50).to(torch.bfloat16)
-    plain, bound = torch.empty(50, dtype=torch.bfloat16), torch.empty(50, dtype=torch.bfloat16)
-    run = slices.bind_sum_slices(received, 3, bound)
+    plain, fixed = torch.empty(50, dtype=torch.bfloat16), torch.empty(50, dtype=torch.bfloat16)
+    run = slices.sum_slices.prepare(received, 3, fixed).fixed(received, fixed)
     for _ in range(2):
         received.mul_(3.0)
         slices.sum_slices(received, 3, plain)
         run()
-        assert_same_bits(bound, plain)
+        assert_same_bits(fixed, plain)
     with pytest.raises(ValueError, match="received has"):
-        slices.bind_sum_slices(received, 2, bound)
+        slices.sum_slices.prepare(received, 2, fixed)
     layout = block_layout([300, 5], 1)
     rows = torch.empty(3 * layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
     values = gradient_like([300, 5] * 3, torch.float32)
-    plain, bound = torch.empty(305), torch.empty(305)
-    run = blockscale.bind_sum_blocks(rows, 3, layout, bound)
-    for step in range(2):  # new rows each time: the bound call reads them where they are
+    plain, fixed = torch.empty(305), torch.empty(305)
+    run = blockscale.sum_blocks.prepare(rows, 3, layout, fixed).fixed(rows, fixed)
+    for step in range(2):  # new rows each time: the fixed call reads them where they are
         blockscale.quantize_blocks(values * (step + 1), block_layout([300, 5] * 3, 3), rows)
         blockscale.sum_blocks(rows, 3, layout, plain)
         run()
-        assert_same_bits(bound, plain)
+        assert_same_bits(fixed, plain)
     with pytest.raises(ValueError, match="received"):
-        blockscale.bind_sum_blocks(rows, 2, layout, bound)
+        blockscale.sum_blocks.prepare(rows, 2, layout, fixed)
     layout = block_layout([10], 1)
     with pytest.raises(ValueError, match="src has 9 elements"):
-        blockscale.bind_quantize_blocks(torch.ones(9), layout, rows_for(layout))
+        blockscale.quantize_blocks.prepare(torch.ones(9), layout, rows_for(layout))
     with pytest.raises(ValueError, match="n_ranks"):
-        blockscale.bind_reduce_blocks(rows_for(layout), 0, rows_for(layout))
+        blockscale.reduce_blocks.prepare(rows_for(layout), 0, rows_for(layout))
     with pytest.raises(ValueError, match="stats"):
-        blockscale.bind_dequantize_blocks(rows_for(layout), layout, torch.empty(10), stats=torch.empty(3))
+        blockscale.dequantize_blocks.prepare(rows_for(layout), layout, torch.empty(10), stats=torch.empty(3))
 
 
-# ---- the torch path's bound forms, step by step over blocks (CHUNK_ROWS), against whole-grid definitions -----------
+# ---- the CPU passes, step by step over blocks (CHUNK_ROWS), against whole-grid definitions ------------------------
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("sizes", [pytest.param([7 * torch_wire.CHUNK_ROWS * 64 + 77], id="aligned"),
                                    pytest.param([1000, torch_wire.CHUNK_ROWS * 128 + 3], id="scattered")])
-def test_bound_torch_path_across_its_steps(fmt, sizes):
-    """The bound CPU forms go CHUNK_ROWS blocks at a time (the aligned layout: its shard too spans two steps, with a
+def test_cpu_passes_across_their_steps(fmt, sizes):
+    """The CPU passes go CHUNK_ROWS blocks at a time (the aligned layout: its shard too spans two steps, with a
     short last step and padding rows; a layout whose first tensor ends inside a block takes the scattered path): the
     same bits as the whole grid at once, by quantize_rows and decode_rows, with a float32 sum in rank order started
     at +0.0."""
@@ -504,7 +508,7 @@ def test_bound_torch_path_across_its_steps(fmt, sizes):
     x[7] = -0.0  # a signed zero through every stage
     residual = gradient_like(sizes, torch.float32, seed=6) * 1e-3
     rows, res = rows_for(layout), residual.clone()
-    torch_wire.bind_quantize_blocks(x, layout, rows, 0.25, spec, res)()
+    cpu_fp8.quantize_pass(x, layout, rows, 0.25, spec, res)()
     grid = torch.zeros(layout.n_rows * 128)
     grid.index_copy_(0, layout.positions(), x * 0.25 + residual)
     codes, scales, dequantized, _ = torch_wire.quantize_rows(grid.view(-1, 128), spec)
@@ -517,12 +521,12 @@ def test_bound_torch_path_across_its_steps(fmt, sizes):
     shard_rows = layout.rows_per_shard
     copies = [rows_for(layout) for _ in range(ranks)]
     for r, copy in enumerate(copies):
-        torch_wire.quantize_blocks(gradient_like(sizes, torch.float32, seed=10 + r), layout, copy, 1.0, spec, None)
+        cpu_fp8.quantize_pass(gradient_like(sizes, torch.float32, seed=10 + r), layout, copy, 1.0, spec, None)()
     part = slice(shard_rows * fp8.ROW_BYTES, 2 * shard_rows * fp8.ROW_BYTES)
     received = torch.cat([copy[part] for copy in copies])
     second = gradient_like([shard_rows * 128], torch.float32, seed=20) * 1e-3
     out, second_got = torch.empty(shard_rows * fp8.ROW_BYTES, dtype=torch.uint8), second.clone()
-    torch_wire.bind_reduce_blocks(received, ranks, out, spec, second_got)()
+    cpu_fp8.reduce_pass(received, ranks, out, spec, second_got)()
     total = torch.zeros(shard_rows, 128)
     for copy in copies:
         total = total + torch_wire.decode_rows(*split(copy[part]), spec)
@@ -533,12 +537,12 @@ def test_bound_torch_path_across_its_steps(fmt, sizes):
 
     # dequantize into a bfloat16 bucket, and the float32 sum of 16-bit slices
     dst = torch.empty(layout.n_elements, dtype=torch.bfloat16)
-    torch_wire.bind_dequantize_blocks(rows, layout, dst, spec, None)()
+    cpu_fp8.dequantize_pass(rows, layout, dst, spec, None)()
     values = torch_wire.decode_rows(*split(rows), spec).view(-1).index_select(0, layout.positions())
     assert_same_bits(dst, values.to(torch.bfloat16))
     slices16 = x.to(torch.bfloat16)[: (layout.n_elements // ranks) * ranks]
     summed = torch.empty(layout.n_elements // ranks, dtype=torch.bfloat16)
-    torch_wire.bind_sum_slices(slices16, ranks, summed)()
+    torch_wire.sum_slices_pass(slices16, ranks, summed)()
     expected = torch.zeros(summed.numel())
     for r in range(ranks):
         expected = expected + slices16[r * summed.numel():(r + 1) * summed.numel()].float()
@@ -553,12 +557,12 @@ def test_a_block_whose_scale_overflows_gives_the_kernels_residual(monkeypatch, n
     src = torch.linspace(-1.0, 1.0, 256)
     src[0] = 3.3e38
     got, want = {}, {}
-    for out, run in ((got, torch_wire.quantize_blocks), (want, None)):
+    for out, run in ((got, cpu_fp8.quantize_pass), (want, None)):
         residual, rows = torch.zeros(256), rows_for(layout)
         if run is None:
             blockscale.quantize_blocks(src, layout, rows, 1.0, fmt=torch.float8_e4m3fn, residual=residual)
         else:
-            run(src, layout, rows, 1.0, fp8.E4M3, residual)
+            run(src, layout, rows, 1.0, fp8.E4M3, residual)()
         out.update(rows=rows, residual=residual)
     assert torch.equal(got["rows"], want["rows"])
     assert torch.equal(got["residual"].view(torch.int32), want["residual"].view(torch.int32))
