@@ -42,8 +42,8 @@ the shard over the replicas, its blocks following the parameters' chunks, both r
 What is bound once per FSDP group: its FP8 block tables (each parameter's chunk cut into blocks, per row and for the
 whole input; on the device once), built at the group's first reduce-scatter and reused while its parameters'
 chunks and rank count stay what they were (checked at every call; a change builds them anew), and its kernel calls
-(``PreparedCalls``), each checked at the group's first call of its kind and shapes (``kernels.prepare_*``; other
-shapes prepare another). FSDP allocates a reduce-scatter's input and output at every step (the output becomes the
+(``PreparedCalls``), each checked at the group's first call of its kind and shapes (``kernels.<op>.prepare``;
+other shapes prepare another). FSDP allocates a reduce-scatter's input and output at every step (the output becomes the
 sharded gradient), so the calls are bound to the group, not to buffers: each runs on that step's buffers, and on a
 GPU its compiled launcher takes their addresses directly, without Triton's per-call argument handling. Nothing of a
 step's buffers is held after it.
@@ -56,7 +56,6 @@ Not here yet: the distributed checkpoint's planner for the residuals.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -132,7 +131,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         pre, post = average_factors(n, wire.comm_dtype, self._divide_factor(op, n))
         send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
         run = self.kernels.run
-        run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), input_tensor, send)
+        run(("pack", pre), lambda ts, out: kernels.pack.prepare(ts, out, pre), [input_tensor], send)
         if wire.sharded:  # all-to-all, then the float32 sum of the N copies of this rank's rows
             received = torch.empty_like(send)
             run_collective("all_to_all", self.subject, dist.all_to_all_single, received, send, group=group)
@@ -140,7 +139,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             # else the float32 sum, scaled, then one rounding into the reduce dtype
             total = output_tensor if unscaled else torch.empty(output_tensor.numel(), dtype=torch.float32,
                                                                device=output_tensor.device)
-            run(("sum_slices", n), lambda rows, out: kernels.prepare_sum_slices(rows, n, out), received, total)
+            run(("sum_slices", n), lambda rows, out: kernels.sum_slices.prepare(rows, n, out), received, total)
             if not unscaled:
                 output_tensor.copy_(total.mul_(post))
                 return None
@@ -148,8 +147,8 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             shard = torch.empty(output_tensor.numel(), dtype=wire.comm_dtype, device=output_tensor.device)
             run_collective("reduce_scatter", self.subject, dist.reduce_scatter_tensor, shard, send,
                            op=dist.ReduceOp.SUM, group=group)
-            run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), shard,
-                output_tensor)  # scaled in float32, rounded once
+            run(("unpack", post), lambda f, ts, st: kernels.unpack.prepare(f, ts, post, stats=st), shard,
+                [output_tensor], None)  # scaled in float32, rounded once
             return None
         if post != 1.0:
             output_tensor.mul_(post)
@@ -175,13 +174,13 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             residual = self.residual
         send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
         run = self.kernels.run
-        run(("quantize", sizes, n, scale, fmt), lambda src, rows, left: kernels.prepare_quantize_blocks(
+        run(("quantize", sizes, n, scale, fmt), lambda src, rows, left: kernels.quantize_blocks.prepare(
             src, layout, rows, scale, fmt=fmt, residual=left), input_tensor, send, residual)
         received = torch.empty_like(send)
         run_collective("all_to_all", self.subject, dist.all_to_all_single, received, send, group=group)
         total = output if output.dtype == torch.float32 else torch.empty(output.numel(), dtype=torch.float32,
                                                                          device=device)
-        run(("sum_blocks", sizes, n, fmt), lambda rows, out: kernels.prepare_sum_blocks(
+        run(("sum_blocks", sizes, n, fmt), lambda rows, out: kernels.sum_blocks.prepare(
             rows, n, row_layout, out, fmt=fmt), received, total)  # rank order, in float32, one pass
         if total is not output:
             output.copy_(total)
@@ -247,9 +246,9 @@ class ReplicaAverage:
             return
         sent = torch.empty(flat.numel(), dtype=wire.comm_dtype, device=flat.device)
         run = self.kernels.run
-        run(("pack", pre), functools.partial(kernels.prepare_pack, scale=pre), flat, sent)
+        run(("pack", pre), lambda ts, out: kernels.pack.prepare(ts, out, pre), [flat], sent)
         run_collective("all_reduce", self.subject, dist.all_reduce, sent, group=self.group)
-        run(("unpack", post), functools.partial(kernels.prepare_unpack, scale=post), sent, flat)
+        run(("unpack", post), lambda f, ts, st: kernels.unpack.prepare(f, ts, post, stats=st), sent, [flat], None)
 
     def _fp8_exchange(self, flat: torch.Tensor) -> ShardedExchange:
         sizes = tuple(self.comm.chunk_sizes())

@@ -2,9 +2,9 @@
 
 ``plan_bucket`` reads everything that cannot change between steps from the state's ``Context`` (the wire format
 for the bucket's size, the group and NCCL algorithm, the averaging factors, the node groups) and builds the
-bucket's exchange (``exchange.py``): its buffers, bound kernels and collectives. ``Plan.run`` then packs, issues
-the collective through the process group's own call and returns the future DDP waits on, which completes once the
-bucket holds the mean. Every plan is an exchange of stages:
+bucket's exchange (``exchange.py``): its buffers, its kernels' prepared calls fixed to them, and collectives.
+``Plan.run`` then packs, issues the collective through the process group's own call and returns the future DDP
+waits on, which completes once the bucket holds the mean. Every plan is an exchange of stages:
 
 - one all-reduce (the bucket itself, or a comm-dtype copy): run here, the unpack on the all-reduce's completion.
   NCCL completes its futures at launch (stream order), so the unpack runs inline; gloo completes them on its own
@@ -181,7 +181,7 @@ def _all_reduce(buffer: torch.Tensor, index: Optional[int], wire: WireFormat, ct
     if not wire.sharded and collective_averages(ctx.backend, buffer.is_cuda, comm_dtype, buffer.dtype, algorithm):
         # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
         # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
-        unpack = _nothing if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
+        unpack = _nothing if stats is None else _stats_pass(buffer, stats)
         record = BucketRecord(index, wire_name(comm_dtype) + " (AVG)", {wire_name(comm_dtype): _bytes(buffer)}, 1)
         return all_reduce_exchange(buffer, buffer, group, dist.ReduceOp.AVG, _nothing, unpack), record, algorithm
     wire_buffer = buffer if comm_dtype == buffer.dtype else torch.empty(buffer.numel(), dtype=comm_dtype,
@@ -189,8 +189,10 @@ def _all_reduce(buffer: torch.Tensor, index: Optional[int], wire: WireFormat, ct
     # A NaN is a NaN to the hook (NCCL's and gloo's sums make NaNs of their own bits anyway): on CPU tensors, no pass
     # to rewrite them canonical (the kernels on the GPU do, at no cost). In place at scale 1 the unpack does nothing
     # without stats, and is the stats pass with them.
-    pack = kernels.bind_pack([buffer], wire_buffer, pre, canonical_nan=False)
-    unpack = kernels.bind_unpack(wire_buffer, [buffer], post, stats=stats, canonical_nan=False)
+    bucket = [buffer]
+    pack = kernels.pack.prepare(bucket, wire_buffer, pre, canonical_nan=False).fixed(bucket, wire_buffer)
+    unpack = kernels.unpack.prepare(wire_buffer, bucket, post, stats=stats, canonical_nan=False).fixed(
+        wire_buffer, bucket, stats)
     name = wire.name if wire.sharded else wire_name(comm_dtype)
     record = BucketRecord(index, name, {name: _bytes(wire_buffer)}, 1)
     return all_reduce_exchange(buffer, wire_buffer, group, dist.ReduceOp.SUM, pack, unpack), record, algorithm
@@ -200,9 +202,15 @@ def _nothing() -> None:
     return None
 
 
+def _stats_pass(buffer: torch.Tensor, stats: torch.Tensor) -> Callable[[], None]:
+    """The unpack of ``buffer`` into itself at scale 1: its values stay, ``stats`` gets their statistics."""
+    bucket = [buffer]
+    return kernels.unpack.prepare(buffer, bucket, 1.0, stats=stats).fixed(buffer, bucket, stats)
+
+
 def _fold(buffer: torch.Tensor, owed: torch.Tensor, stats: Optional[torch.Tensor]) -> Callable[[], None]:
     """Add ``owed`` (float32, the bucket's elements) to the averaged bucket, then recompute its statistics."""
-    restat = None if stats is None else kernels.bind_unpack(buffer, [buffer], 1.0, stats=stats)
+    restat = None if stats is None else _stats_pass(buffer, stats)
 
     def fold() -> None:
         if owed.is_cuda:  # a completion's stream, not the one owed was made on: its memory must wait for this use

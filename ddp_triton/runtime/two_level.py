@@ -73,8 +73,9 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
     shard = torch.zeros(part, dtype=buffer.dtype, device=buffer.device)
     start = min(nodes.local_index * part, n)
     end = min(start + part, n)
-    pack = kernels.bind_pack([buffer], send[:n], pre_scale, canonical_nan=False)
-    unpack = kernels.bind_unpack(send[:n], [buffer], 1.0, stats=stats, canonical_nan=False)
+    bucket, sent = [buffer], send[:n]
+    pack = kernels.pack.prepare(bucket, sent, pre_scale, canonical_nan=False).fixed(bucket, sent)
+    unpack = kernels.unpack.prepare(sent, bucket, 1.0, stats=stats, canonical_nan=False).fixed(sent, bucket, stats)
     node_group, cross_group, gather_group = nodes.node_group, nodes.cross_group, nodes.gather_group
     if nodes.reduce_scatter:
         first = Stage("pack", pack, "reduce_scatter", lambda: reduce_scatter_single(shard, send, node_group),
@@ -131,8 +132,10 @@ def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, p
     after it, the buffers it holds and the bytes it hands the all-reduce."""
     in_place = wire.comm_dtype == shard.dtype
     on_wire = shard if in_place else torch.empty(shard.numel(), dtype=wire.comm_dtype, device=shard.device)
-    cross_pack = _nothing if in_place else kernels.bind_pack([shard], on_wire, 1.0, canonical_nan=False)
+    part = [shard]
+    cross_pack = _nothing if in_place else kernels.pack.prepare(part, on_wire, 1.0, canonical_nan=False).fixed(
+        part, on_wire)
     stage = Stage("cross_pack", cross_pack, "cross_all_reduce",
                   lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True), cross_group)
-    cross_unpack = kernels.bind_unpack(on_wire, [shard], post_scale, canonical_nan=False)
+    cross_unpack = kernels.unpack.prepare(on_wire, part, post_scale, canonical_nan=False).fixed(on_wire, part, None)
     return [stage], cross_unpack, (() if in_place else (on_wire,)), on_wire.numel() * on_wire.element_size()

@@ -6,10 +6,10 @@
   N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard, and a
   kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
 
-A DDP bucket's kernels are bound once to its buffers (``kernels.bind_*``: direct launches on CUDA, no checks per
-step); an FSDP group's, whose buffers are new at every step, are prepared once and run on each step's
-(``prepared_calls.py``). The two-level exchange (``two_level.py``) is made of these: its node-crossing hop is one of
-them over the cross group.
+A DDP bucket's kernels are prepared once and fixed to its buffers (``kernels.<op>.prepare(...).fixed(...)``: direct
+launches on CUDA, no checks per step); an FSDP group's, whose buffers are new at every step, are prepared once and
+run on each step's (``prepared_calls.py``). The two-level exchange (``two_level.py``) is made of these: its
+node-crossing hop is one of them over the cross group.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def all_reduce_exchange(buffer: torch.Tensor, wire_buffer: torch.Tensor, group: 
     return StagedExchange(buffer, [stage], unpack, () if wire_buffer is buffer else (wire_buffer,))
 
 
-def _kernel(prepared: Optional[PreparedCalls], what: tuple, bind: Callable[..., Callable[[], None]],
-            prepare: Callable[..., kernels.PreparedCall], *tensors: Optional[torch.Tensor]) -> Callable[[], None]:
-    """One kernel of an exchange: ``bind(*tensors)``, a launch bound to the exchange's buffers (a DDP bucket keeps
+def _kernel(prepared: Optional[PreparedCalls], what: tuple, prepare: Callable[..., kernels.PreparedCall],
+            *tensors: Any) -> Callable[[], None]:
+    """One kernel of an exchange: ``prepare(*tensors)``'s call fixed to the exchange's buffers (a DDP bucket keeps
     them); or, with ``prepared`` (an FSDP group, whose buffers are new at every step), its call ``what`` kept
-    prepared there (``prepare``) and run on these."""
+    prepared there and run on these."""
     if prepared is None:
-        return bind(*tensors)
+        return prepare(*tensors).fixed(*tensors)
     return prepared.later(what, prepare, *tensors)
 
 
@@ -93,15 +93,14 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
     recv = torch.empty_like(send)
     shard = torch.empty(padded // world_size, dtype=dtype, device=buffer.device)
     # NaN bits are the arithmetic's (canonical_nan=False): see plan.py
+    bucket = [buffer]
     pack = _kernel(prepared, ("pack", pre_scale, "any NaN"),
-                   lambda t, o: kernels.bind_pack([t], o, pre_scale, canonical_nan=False),
-                   lambda t, o: kernels.prepare_pack(t, o, pre_scale, canonical_nan=False), buffer, send[:n])
+                   lambda ts, o: kernels.pack.prepare(ts, o, pre_scale, canonical_nan=False), bucket, send[:n])
     add = _kernel(prepared, ("sum_slices", world_size, "any NaN"),
-                  lambda r, o: kernels.bind_sum_slices(r, world_size, o, canonical_nan=False),
-                  lambda r, o: kernels.prepare_sum_slices(r, world_size, o, canonical_nan=False), recv, shard)
+                  lambda r, o: kernels.sum_slices.prepare(r, world_size, o, canonical_nan=False), recv, shard)
     unpack = _kernel(prepared, ("unpack", post_scale, "any NaN"),
-                     lambda f, t: kernels.bind_unpack(f, [t], post_scale, stats=stats, canonical_nan=False),
-                     lambda f, t: kernels.prepare_unpack(f, t, post_scale, canonical_nan=False), send[:n], buffer)
+                     lambda f, ts, st: kernels.unpack.prepare(f, ts, post_scale, stats=st, canonical_nan=False),
+                     send[:n], bucket, stats)
     return ShardedExchange(buffer, group, send, recv, shard, pack, add, unpack)
 
 
@@ -119,19 +118,14 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
     first = residuals.first if residuals is not None else None
     second = residuals.second if residuals is not None else None
     quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
-                       lambda b, rows, left: kernels.bind_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
-                                                                          residual=left),
-                       lambda b, rows, left: kernels.prepare_quantize_blocks(b, layout, rows, pre_scale, fmt=fmt,
+                       lambda b, rows, left: kernels.quantize_blocks.prepare(b, layout, rows, pre_scale, fmt=fmt,
                                                                              residual=left),
                        buffer, send, first)
     reduce = _kernel(prepared, ("reduce", world_size, fmt),
-                     lambda r, o, left: kernels.bind_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
-                     lambda r, o, left: kernels.prepare_reduce_blocks(r, world_size, o, fmt=fmt, residual=left),
+                     lambda r, o, left: kernels.reduce_blocks.prepare(r, world_size, o, fmt=fmt, residual=left),
                      recv, shard, second)
     dequantize = _kernel(prepared, ("dequantize", sizes, layout.n_shards, fmt),
-                         lambda rows, b: kernels.bind_dequantize_blocks(rows, layout, b, fmt=fmt, stats=stats,
-                                                                        canonical_nan=False),
-                         lambda rows, b: kernels.prepare_dequantize_blocks(rows, layout, b, fmt=fmt,
-                                                                           canonical_nan=False),
-                         send, buffer)
+                         lambda rows, b, st: kernels.dequantize_blocks.prepare(rows, layout, b, fmt=fmt, stats=st,
+                                                                               canonical_nan=False),
+                         send, buffer, stats)
     return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)

@@ -368,13 +368,13 @@ def test_a_group_prepares_each_kind_of_call_once_and_runs_it_on_each_calls_buffe
 
     group, prepared_for = PreparedCalls(), []
 
-    def prepare(tensor, out):
-        prepared_for.append((tensor.numel(), out.dtype))
-        return ddp_triton.kernels.prepare_pack(tensor, out, 0.5)
+    def prepare(tensors, out):
+        prepared_for.append((tensors[0].numel(), out.dtype))
+        return ddp_triton.kernels.pack.prepare(tensors, out, 0.5)
 
     def run(n, dtype=torch.bfloat16, what=("pack", 0.5)):
         src, out = torch.randn(n), torch.empty(n, dtype=dtype)
-        group.run(what, prepare, src, out)
+        group.run(what, prepare, [src], out)
         assert torch.equal(out, (src * 0.5).to(dtype))
 
     for n in (100, 100, 64, 100, 64):

@@ -507,20 +507,20 @@ def test_unscale_op_moves_version_counters_and_notes_its_factor():
 
 def test_in_place_unpack_at_scale_one_is_a_stats_pass():
     """What the AVG and in-place buckets run with stats on: the values stay, the statistics are theirs."""
-    from ddp_triton.kernels import bind_unpack
+    from ddp_triton.kernels import unpack
 
     for dtype in (torch.float32, torch.bfloat16):
         buffer = torch.randn(1000).to(dtype)
         buffer[7] = math.inf
         before = buffer.clone()
         stats = torch.full((2,), -1.0)
-        bind_unpack(buffer, [buffer], 1.0, stats=stats)()
+        unpack.prepare(buffer, [buffer], 1.0, stats=stats).fixed(buffer, [buffer], stats)()
         assert torch.equal(buffer, before)
         finite = before.float()[torch.isfinite(before)]
         assert float(stats[1]) == 1.0 and float(stats[0]) == math.inf
         stats_finite = torch.zeros(2)
         buffer[7] = 0.0
-        bind_unpack(buffer, [buffer], 1.0, stats=stats_finite)()
+        unpack.prepare(buffer, [buffer], 1.0, stats=stats_finite).fixed(buffer, [buffer], stats_finite)()
         assert float(stats_finite[0]) == pytest.approx(float(finite.double().square().sum()), rel=FP32_RTOL)
 
 
