@@ -1,27 +1,25 @@
-"""Host cost of pack / unpack, of a bound launch, of the hook's per-bucket front end and of one FSDP group's FP8
-kernel calls (plain, and prepared: ``kernels.prepare_*``), on any CPU.
+"""Host cost of pack / unpack (plain calls, and prepared calls called with their tensors or fixed to them), of the
+hook's per-bucket front end and of one FSDP group's FP8 kernel calls (plain, and prepared), on any CPU.
 
     python -m bench.host              # the table, with each row's ratio to one torch op timed in the same run
     python -m bench.host --json       # one JSON object: microseconds, ratios, targets and the environment
     python -m bench.host --quick      # fewer calls and rounds (smoke run)
 
-Timed: the whole Python path of each call as it runs on CUDA: the layout signature and cache lookup (or, on a
-layout's first call, the checks, the plan lookup and the argument building), the launch object's ``__call__`` and
-the direct launcher's call. Stubbed, and only this: the final call into Triton's compiled launcher (``run``, a C
-function that parses its arguments and calls cuLaunchKernel) is a Python function that returns at once, and the two
-getters the direct launch calls per launch (torch's current CUDA device and raw stream, C functions of its CUDA
-build) are C builtins that return 0. To take the CUDA path without a GPU, ``uses_triton`` answers True for CPU
-tensors, and the direct launch that a plain call binds (``pack.direct_launch``) or that a bound launch holds
-(``BoundLaunch._direct``) is a real ``_DirectLaunch`` built around those stubs instead of a compiled kernel. The
-first-call rows leave out Triton's own kernel lookup (``warmup``), which a GPU adds on top. The plain FSDP row's
-two launches go through Triton's own launcher, stubbed whole here (its argument handling: 17.3 us per launch
-measured on the lent H200's host, 2026-11-30): it costs that much more on a GPU; the prepared rows'
-direct launches are stubbed as the bound ones are.
+Timed: the whole Python path of each call as it runs on CUDA: a plain call's checks, its work list and argument
+building; a prepared call's comparison of its tensors with its examples (and, at new addresses, its argument
+building); a fixed call's ``__call__``; then the direct launcher's call. Stubbed, and only this: the final call into
+Triton's compiled launcher (``run``, a C function that parses its arguments and calls cuLaunchKernel) is a Python
+function that returns at once, and the two getters the direct launch calls per launch (torch's current CUDA device
+and raw stream, C functions of its CUDA build) are C builtins that return 0. To take the CUDA path without a GPU,
+``uses_triton`` answers True for CPU tensors, and a prepared call compiles (``launch._bind_direct``) a real
+``_DirectLaunch`` built around those stubs instead of a compiled kernel. Plain calls go through Triton's own
+launcher, stubbed whole here (its argument handling: 17.3 us per launch measured on the lent H200's host,
+2026-11-30): on a GPU they cost that much more per launch, as does the plain FSDP row (two launches).
 
 Ratios are to torch's host cost for one elementwise op on a small CPU tensor (``torch.mul(src, 0.125, out=dst)``,
 1024 float32), measured in the same run and interleaved with the rows, round by round (the fastest round of each
-counts), so that they carry over between machines. Targets: a plain pack of one tensor at most 2x, of
-GPT-2's 148 tensors at most 6x, a bound launch at most 1x.
+counts), so that they carry over between machines. Target: a fixed call (what a DDP bucket runs every step) at most
+1x.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ blockscale_module = importlib.import_module("ddp_triton.kernels.blockscale")
 launch_module = importlib.import_module("ddp_triton.kernels.launch")
 
 CPU = torch.device("cpu")
-TARGETS = {"pack_1": 2.0, "pack_148": 6.0, "bound": 1.0}
+TARGETS = {"fixed": 1.0}
 SCALE = 0.125
 STUBBED = ("Triton's compiled launcher (a no-op Python function) and torch's current CUDA device and stream getters "
            "(C builtins returning 0); CPU tensors take the CUDA path (uses_triton patched to True)")
@@ -67,29 +65,17 @@ def stub_direct_launch(plan: Any, kernel: Any, args: tuple, constexprs: dict) ->
     return direct
 
 
-def stub_bound(bound: Any) -> Any:
-    """Give a bound launch of CPU tensors the direct launch it would hold on CUDA."""
-    bound._direct = stub_direct_launch(bound._plan, bound._kernel, bound._args, bound._constexprs)
-    bound._bind_later = False
-    return bound
-
-
 @contextlib.contextmanager
 def cuda_like_path() -> Iterator[None]:
-    """CPU tensors take the Triton path down to the stubbed launcher; layouts cached before are forgotten."""
+    """CPU tensors take the Triton path down to the stubbed launcher."""
     with mock.patch.object(pack_module, "uses_triton", lambda device: True), \
             mock.patch.object(blockscale_module, "uses_triton", lambda device: True), \
-            mock.patch.object(pack_module, "direct_launch", stub_direct_launch), \
             mock.patch.object(launch_module, "_can_launch_directly", lambda plan, args: plan.n_items > 0), \
             mock.patch.object(launch_module, "_direct_launch_ok", True), \
             mock.patch.object(launch_module, "_bind_direct", lambda plan, kernel, args, constexprs, device:
                               stub_direct_launch(plan, kernel, args, constexprs)), \
             mock.patch.object(launch_module, "launch", lambda plan, kernel, args, constexprs: None):
-        pack_module.LAYOUTS.clear()
-        try:
-            yield
-        finally:
-            pack_module.LAYOUTS.clear()
+        yield
 
 
 def _gradients() -> List[torch.Tensor]:
@@ -98,17 +84,9 @@ def _gradients() -> List[torch.Tensor]:
     return [torch.randn(s, generator=gen) for s in gpt2_small_shapes(hidden=64, vocab=1000, context=64)]
 
 
-def _first_call(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` as a layout's first call: the layout cache is emptied before each."""
-    def run() -> None:
-        pack_module.LAYOUTS.clear()
-        fn()
-    return run
-
-
 def cases(hook_fn: Callable[[], Any]) -> List[Tuple[str, str, Callable[[], Any], int]]:
     """(key, what, call, calls per round) of every row; the first is the torch baseline."""
-    from ddp_triton.kernels import bind_pack, bind_quantize_blocks, block_layout, pack, unpack
+    from ddp_triton.kernels import block_layout, pack, quantize_blocks, unpack
     from ddp_triton.kernels.fp8 import ROW_BYTES
 
     src, dst = torch.randn(1024), torch.empty(1024)
@@ -116,42 +94,45 @@ def cases(hook_fn: Callable[[], Any]) -> List[Tuple[str, str, Callable[[], Any],
     grads = _gradients()
     flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16)
     stats = torch.zeros(2)
-    bound = stub_bound(bind_pack([src], one_out, SCALE))
+    prepared_1 = pack.prepare([src], one_out, SCALE)
+    prepared_148 = pack.prepare(grads, flat, SCALE)
+    fixed = pack.prepare([src], one_out, SCALE).fixed([src], one_out)
     layout = block_layout([src.numel()], 1)
-    fp8_rows = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
-    bound_fp8 = stub_bound(bind_quantize_blocks(src, layout, fp8_rows, SCALE, residual=torch.zeros_like(src)))
+    fp8_rows, residual = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8), torch.zeros_like(src)
+    fixed_fp8 = quantize_blocks.prepare(src, layout, fp8_rows, SCALE, residual=residual).fixed(src, fp8_rows, residual)
     rows = [
         ("torch_op", "torch.mul(src, 0.125, out=dst), 1024 float32 (baseline)",
          lambda: torch.mul(src, SCALE, out=dst), 2000),
-        ("pack_1", "pack, 1 tensor of 1024, repeat call", lambda: pack([src], one_out, SCALE), 2000),
-        ("pack_148", "pack, GPT-2's 148 tensors, repeat call", lambda: pack(grads, flat, SCALE), 300),
-        ("unpack_148", "unpack, 148 tensors, repeat call", lambda: unpack(flat, grads, 8.0), 300),
-        ("unpack_stats_148", "unpack with stats, 148 tensors, repeat call",
-         lambda: unpack(flat, grads, 8.0, stats=stats), 300),
-        ("bound", "bound pack launch, bind_pack(...)()", bound, 5000),
-        ("bound_fp8", "bound FP8 quantize launch (wire formats), bind_quantize_blocks(...)()", bound_fp8, 5000),
+        ("pack_1", "pack, 1 tensor of 1024, plain call (+ Triton's launcher, stubbed whole)",
+         lambda: pack([src], one_out, SCALE), 1000),
+        ("pack_148", "pack, GPT-2's 148 tensors, plain call (+ Triton's launcher, stubbed whole)",
+         lambda: pack(grads, flat, SCALE), 20),
+        ("unpack_148", "unpack, 148 tensors, plain call (+ Triton's launcher, stubbed whole)",
+         lambda: unpack(flat, grads, 8.0), 20),
+        ("unpack_stats_148", "unpack with stats, 148 tensors, plain call (+ Triton's launcher, stubbed whole)",
+         lambda: unpack(flat, grads, 8.0, stats=stats), 20),
+        ("prepared_1", "pack.prepare(...) of 1 tensor, called with it: compared, then relaunched",
+         lambda: prepared_1([src], one_out), 2000),
+        ("prepared_148", "pack.prepare(...) of 148 tensors, called with them: compared, then relaunched",
+         lambda: prepared_148(grads, flat), 300),
+        ("fixed", "pack.prepare(...).fixed(...)(): a fixed call, 1 tensor", fixed, 5000),
+        ("fixed_fp8", "quantize_blocks.prepare(...).fixed(...)(): a fixed FP8 quantize (wire formats)", fixed_fp8,
+         5000),
     ]
     rows += [(key, what + (" (+ Triton's launcher, stubbed whole)" if key == "fsdp_fp8_plain" else ""), fn, 2000)
              for key, what, fn, _ in fsdp_group_calls(CPU)]
     rows.append(("hook_bucket", "hook front end per bucket: its plan + pack", hook_fn, 5000))
-    return rows + [
-        ("pack_1_first", "pack, 1 tensor, a layout's first call", _first_call(lambda: pack([src], one_out, SCALE)),
-         500),
-        ("pack_148_first", "pack, 148 tensors, a layout's first call", _first_call(lambda: pack(grads, flat, SCALE)),
-         20),
-    ]
+    return rows
 
 
 def hook_front_end() -> Callable[[], Any]:
-    """The per-bucket work of ``triton_hook`` before the all-reduce: the bucket's entry, then its bound pack."""
+    """The per-bucket work of ``triton_hook`` before the all-reduce: the bucket's entry, then its fixed pack."""
     from ddp_triton import CommState
 
     state = CommState(profile=None)  # bfloat16 on the wire: a pack kernel per bucket
     buffer = torch.randn(1 << 16)
     bucket = SimpleNamespace(buffer=lambda: buffer, index=lambda: 0)  # what the hook reads of DDP's GradBucket
-    plan = state.plan_for(buffer, bucket)
-    stub_bound(plan.exchange.stages[0].compute)
-    stub_bound(plan.exchange.finish)
+    state.plan_for(buffer, bucket)  # its kernel calls compile their (stubbed) direct launches at their first call
 
     def front_end() -> None:  # the hook's lookup of the bucket's plan, then its pack
         found = state.plans.get(id(bucket.buffer()))
@@ -202,8 +183,8 @@ def table(result: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="host cost of pack/unpack, a bound launch and the hook's front end, "
-                                            "as ratios to one torch op (CPU; the launcher is stubbed)")
+    p = argparse.ArgumentParser(description="host cost of pack/unpack, prepared and fixed calls and the hook's front "
+                                            "end, as ratios to one torch op (CPU; the launcher is stubbed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quick", action="store_true", help="fewer calls and rounds (smoke run; noisy numbers)")
     p.add_argument("--out-dir", default=None, help="also save the JSON there")

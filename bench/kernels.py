@@ -14,6 +14,7 @@ expressions are timed beside them.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,7 +32,7 @@ from bench.common import (  # noqa: E402
     host_us_per_call,
     save_json,
 )
-from ddp_triton.kernels import bind_pack, bind_unpack, pack, unpack  # noqa: E402
+from ddp_triton.kernels import pack, unpack  # noqa: E402
 
 WORLD = 8  # the division by world size in the pack; any N costs the same
 MiB = 1 << 20
@@ -75,13 +76,13 @@ def _bucket_case(device: torch.device, mb: float, ceiling: float, compile_: bool
     comm = torch.empty(n, dtype=torch.bfloat16, device=device)
     compiled_pre = _compiled(lambda b: (b * (1.0 / WORLD)).to(torch.bfloat16), buf, compile_)
     compiled_post = _compiled(lambda c: c.float(), comm, compile_)
-    ours_pack = bind_pack([buf], comm, 1.0 / WORLD)
-    ours_unpack = bind_unpack(comm, [buf], 1.0)
+    ours_pack = pack.prepare([buf], comm, 1.0 / WORLD).fixed([buf], comm)
+    ours_unpack = unpack.prepare(comm, [buf], 1.0).fixed(comm, [buf], None)
     ours_pack()
     expected = buf.float().mul(1.0 / WORLD).to(torch.bfloat16)
     exact = {"pack": bool(torch.equal(comm.view(torch.int16), expected.view(torch.int16)))}
     back = buf.clone()
-    bind_unpack(comm, [back], 1.0)()
+    unpack(comm, [back], 1.0)
     exact["unpack"] = bool(torch.equal(back, comm.float()))
     nbytes = n * (4 + 2)
     floor_us = nbytes / ceiling / 1e3
@@ -137,7 +138,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def block_sweep_rows(device: torch.device, sizes_mb: List[float], ceiling: float) -> List[Dict[str, Any]]:
     """GPU time of the contiguous kernel (the hook's) per (BLOCK, warps), pack and unpack, from CUDA graphs: what
     ``worklist.launch_config`` should pick."""
-    from ddp_triton.kernels.launch import BoundLaunch, kernel_arguments
+    from ddp_triton.kernels.launch import kernel_arguments, launch
     from ddp_triton.kernels.worklist import Plan
 
     rows = []
@@ -149,10 +150,11 @@ def block_sweep_rows(device: torch.device, sizes_mb: List[float], ceiling: float
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8):
                 plan = Plan(None, -(-n // block), n, block, warps, 0)
-                pack_launch = BoundLaunch(plan, *kernel_arguments(plan, buf, comm.view(torch.int16), 1.0 / WORLD,
-                                                                  0, None))
-                unpack_launch = BoundLaunch(plan, *kernel_arguments(plan, comm, buf.view(torch.int32), 1.0, 2,
-                                                                    None))
+                # Triton's launcher: in a CUDA graph only the kernel it records is timed
+                pack_launch = functools.partial(launch, plan, *kernel_arguments(
+                    plan, buf, comm.view(torch.int16), 1.0 / WORLD, 0, None))
+                unpack_launch = functools.partial(launch, plan, *kernel_arguments(
+                    plan, comm, buf.view(torch.int32), 1.0, 2, None))
                 for op, fn in (("pack", pack_launch), ("unpack", unpack_launch)):
                     us = graph_us(fn, device)
                     if us is None:
@@ -178,16 +180,16 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
     flat = torch.empty(n, dtype=torch.bfloat16, device=device)
     nbytes = n * (4 + 2)
     floor_us = nbytes / ceiling / 1e3
-    ours_pack = bind_pack(grads, flat, 1.0 / WORLD)
+    ours_pack = pack.prepare(grads, flat, 1.0 / WORLD).fixed(grads, flat)
     ours_pack()
     expected = torch.cat([g.flatten() for g in grads]).mul(1.0 / WORLD).to(torch.bfloat16)
     exact = {"pack": bool(torch.equal(flat.view(torch.int16), expected.view(torch.int16)))}
     back = [torch.empty_like(g) for g in grads]
-    bind_unpack(flat, back, 1.0)()
+    unpack(flat, back, 1.0)
     exact["unpack"] = bool(torch.equal(torch.cat([b.flatten() for b in back]), flat.float()))
     compiled = _compiled(lambda gs: torch.cat([g.flatten() for g in gs]).mul(1.0 / WORLD).to(torch.bfloat16),
                          grads, compile_)
-    ours_unpack = bind_unpack(flat, grads, 1.0)
+    ours_unpack = unpack.prepare(flat, grads, 1.0).fixed(flat, grads, None)
     views = list(flat.split([g.numel() for g in grads]))
 
     def torch_unpack() -> None:
@@ -221,8 +223,7 @@ def fsdp_group_calls(device: torch.device) -> List[Tuple[str, str, Callable[[], 
     is never the limit): plain calls, and the prepared calls the group keeps, through ``PreparedCalls.run`` as
     ``runtime/fsdp.py`` runs them, on the same buffers every call or on other ones every other call (FSDP's buffers
     are new each step: the caching allocator often, not always, hands back the same addresses)."""
-    from ddp_triton.kernels import (block_layout, prepare_quantize_blocks, prepare_sum_blocks, quantize_blocks,
-                                    sum_blocks)
+    from ddp_triton.kernels import block_layout, quantize_blocks, sum_blocks
     from ddp_triton.kernels.fp8 import ROW_BYTES
     from ddp_triton.runtime.prepared_calls import PreparedCalls
 
@@ -241,9 +242,9 @@ def fsdp_group_calls(device: torch.device) -> List[Tuple[str, str, Callable[[], 
 
     def prepared(index: int) -> None:
         src, send, residual, received, total = buffers[index]
-        calls.run(("quantize", sizes, ranks, scale, fmt), lambda s, rows, left: prepare_quantize_blocks(
+        calls.run(("quantize", sizes, ranks, scale, fmt), lambda s, rows, left: quantize_blocks.prepare(
             s, layout, rows, scale, fmt=fmt, residual=left), src, send, residual)
-        calls.run(("sum_blocks", sizes, ranks, fmt), lambda rows, out: prepare_sum_blocks(
+        calls.run(("sum_blocks", sizes, ranks, fmt), lambda rows, out: sum_blocks.prepare(
             rows, ranks, row_layout, out, fmt=fmt), received, total)
 
     return [("fsdp_fp8_plain", "FSDP FP8 group, plain quantize + sum_blocks", plain, 300),
@@ -258,12 +259,12 @@ def host_overhead_rows(device: torch.device, shapes: List[tuple], calls: int = 2
     per bucket, and a plain pack of GPT-2's gradient list, beside torch's own ops; ``calls`` per row."""
     src = torch.randn(1024, device=device)
     out = torch.empty(1024, dtype=torch.bfloat16, device=device)
-    bound = bind_pack([src], out, 1.0 / WORLD)
+    fixed = pack.prepare([src], out, 1.0 / WORLD).fixed([src], out)
     grads = [torch.empty(s, device=device) for s in shapes]
     flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.bfloat16, device=device)
     candidates = [
-        ("ddp_triton bind_pack (bound launch)", bound),
-        ("ddp_triton pack() of 1 tensor (checks + caches + launch)", lambda: pack([src], out, 1.0 / WORLD)),
+        ("ddp_triton pack.prepare(...).fixed(...) (a fixed prepared call)", fixed),
+        ("ddp_triton pack() of 1 tensor (checks + launch)", lambda: pack([src], out, 1.0 / WORLD)),
         (f"ddp_triton pack() of {len(grads)} tensors", lambda: pack(grads, flat, 1.0 / WORLD)),
         (f"ddp_triton unpack() of {len(grads)} tensors", lambda: unpack(flat, grads)),
         ("torch copy_ (one elementwise op)", lambda: out.copy_(src)),
@@ -275,12 +276,12 @@ def host_overhead_rows(device: torch.device, shapes: List[tuple], calls: int = 2
         rows += [{"call": what, "host_us": host_us_per_call(fn, device, calls=min(calls, n), warmup=max(1, n // 10))}
                  for _, what, fn, n in fsdp_group_calls(device)]
     if device.type == "cuda":
-        rows.append({"call": "CUDA graph replay of the bound pack", "host_us": graph_replay_host_us(bound, device)})
+        rows.append({"call": "CUDA graph replay of the fixed pack", "host_us": graph_replay_host_us(fixed, device)})
     return rows
 
 
 def graph_replay_host_us(launch_fn: Callable[[], None], device: torch.device) -> float:
-    """Host microseconds per replay of a CUDA graph that holds one bound launch."""
+    """Host microseconds per replay of a CUDA graph that holds one launch of a fixed call."""
     stream = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -291,11 +292,12 @@ def graph_replay_host_us(launch_fn: Callable[[], None], device: torch.device) ->
 
 def graph_rows(device: torch.device, mb: float) -> List[Dict[str, Any]]:
     """The hook's pack and unpack of one ``mb`` MiB bucket captured in a CUDA graph: device time per replay beside
-    the eager bound launches, and whether the replay gives the eager bits."""
+    the eager fixed calls, and whether the replay gives the eager bits."""
     n = int(mb * MiB) // 4
     buf = torch.randn(n, device=device)
     comm = torch.empty(n, dtype=torch.bfloat16, device=device)
-    pack_b, unpack_b = bind_pack([buf], comm, 1.0 / WORLD), bind_unpack(comm, [buf], 1.0)
+    pack_b = pack.prepare([buf], comm, 1.0 / WORLD).fixed([buf], comm)
+    unpack_b = unpack.prepare(comm, [buf], 1.0).fixed(comm, [buf], None)
     eager = lambda: (pack_b(), unpack_b())  # noqa: E731
     source = buf.clone()
     eager()

@@ -4,8 +4,8 @@
     python -m bench.wire_kernels --cpu [--mb 25] [--ranks 4] [--json]    # the torch path, one thread
 
 For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all-to-all's received buffer is
-simulated, each rank's slice the same bytes), times each launch the exchanges make, bound as the exchanges bind
-them (``kernels.bind_*``: direct launches), and counts the bytes it must move:
+simulated, each rank's slice the same bytes), times each launch the exchanges make, as a DDP bucket's exchange runs
+them (``kernels.<op>.prepare(...).fixed(...)``: direct launches), and counts the bytes it must move:
 
 - quantize (FP8 E4M3, error feedback): reads the bucket (4 B) and the residual (4 B), writes the residual (4 B) and
   the rows (132/128 B) per element;
@@ -20,13 +20,13 @@ them (``kernels.bind_*``: direct launches), and counts the bytes it must move:
 GB/s = bytes / median time; "of ceiling" divides by a float32 copy's GB/s (read + write).
 
 ``--cpu``: the torch path a gloo job runs on CPU tensors (``kernels/torch_wire.py``; ``TRITON_INTERPRET`` unset),
-on one thread, bound as the exchanges bind it. What one rank does per step and bucket element, side by side in one
-run: FP8 E4M3 with error feedback (quantize the bucket, reduce its shard over N ranks' copies, dequantize the
-all-gathered bucket into float32 gradients) against bfloat16 (pack the bucket at scale 1/N, unpack it), and bf16
-with float32 sums (pack, sum of slices, unpack). ``fp8_over_bf16_cpu`` is FP8's nanoseconds per element over
-bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for. The FP8 passes
-are the compiled ones (``kernels/native_cpu.py``) where they build, else torch's (``fp8_cpu_path`` says which;
-``DDP_TRITON_NATIVE_CPU=0`` times torch's).
+on one thread, fixed to its tensors as the exchanges fix it. What one rank does per step and bucket element, side by
+side in one run: FP8 E4M3 with error feedback (quantize the bucket, reduce its shard over N ranks' copies,
+dequantize the all-gathered bucket into float32 gradients) against bfloat16 (pack the bucket at scale 1/N, unpack
+it), and bf16 with float32 sums (pack, sum of slices, unpack). ``fp8_over_bf16_cpu`` is FP8's nanoseconds per
+element over bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for. The
+FP8 passes are the compiled ones (``kernels/native_cpu.py``) where they build, else torch's (``fp8_cpu_path`` says
+which; ``DDP_TRITON_NATIVE_CPU=0`` times torch's).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 from bench.common import append_results, bench_us, environment, format_table, json_text, save_json  # noqa: E402
 from bench.kernels import copy_ceiling_gbps  # noqa: E402
-from ddp_triton.kernels import (bind_dequantize_blocks, bind_quantize_blocks, bind_reduce_blocks,  # noqa: E402
-                                bind_sum_blocks, bind_sum_slices, block_layout, quantize_blocks)
+from ddp_triton.kernels import (block_layout, dequantize_blocks, quantize_blocks, reduce_blocks,  # noqa: E402
+                                sum_blocks, sum_slices)
 from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -67,18 +67,20 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
     slices16 = torch.randn(slice_n * ranks, device=device).to(torch.bfloat16)
     summed16 = torch.empty(slice_n, dtype=torch.bfloat16, device=device)
     row_bytes_per_element = ROW_BYTES / 128
+    shard_layout = block_layout([shard_rows * 128], 1)  # one shard's worth of whole blocks
     cases = [
-        ("quantize e4m3 +ef", bind_quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
-         n * (4 + 4 + 4 + row_bytes_per_element)),
-        (f"reduce e4m3 x{ranks} +ef", bind_reduce_blocks(received, ranks, shard, residual=shard_residual),
+        ("quantize e4m3 +ef", quantize_blocks.prepare(bucket, layout, send, 1.0 / ranks, residual=residual).fixed(
+            bucket, send, residual), n * (4 + 4 + 4 + row_bytes_per_element)),
+        (f"reduce e4m3 x{ranks} +ef", reduce_blocks.prepare(received, ranks, shard, residual=shard_residual).fixed(
+            received, shard, shard_residual),
          shard_rows * 128 * (ranks * row_bytes_per_element + 8 + row_bytes_per_element)),
-        ("dequantize e4m3 -> fp32", bind_dequantize_blocks(send, layout, out), n * (row_bytes_per_element + 4)),
-        # FSDP's end: the N ranks' rows of one shard summed into float32 (shard_rows rows a rank: block_layout of
-        # one shard's worth of whole blocks)
-        (f"sum blocks e4m3 x{ranks} -> fp32", bind_sum_blocks(received, ranks, block_layout([shard_rows * 128], 1),
-                                                               shard_residual),
-         shard_rows * 128 * (ranks * row_bytes_per_element + 4)),
-        (f"sum slices bf16 x{ranks}", bind_sum_slices(slices16, ranks, summed16), slice_n * (ranks * 2 + 2)),
+        ("dequantize e4m3 -> fp32", dequantize_blocks.prepare(send, layout, out).fixed(send, out, None),
+         n * (row_bytes_per_element + 4)),
+        # FSDP's end: the N ranks' rows of one shard summed into float32 (shard_rows rows a rank)
+        (f"sum blocks e4m3 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, shard_residual).fixed(
+            received, shard_residual), shard_rows * 128 * (ranks * row_bytes_per_element + 4)),
+        (f"sum slices bf16 x{ranks}", sum_slices.prepare(slices16, ranks, summed16).fixed(slices16, summed16),
+         slice_n * (ranks * 2 + 2)),
         ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
     ]
     out_rows = []
@@ -92,7 +94,7 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
 
 def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     """Nanoseconds per bucket element of each pass of the torch path, and the per-format totals and ratio."""
-    from ddp_triton.kernels import bind_pack, bind_unpack
+    from ddp_triton.kernels import pack, unpack
 
     cpu = torch.device("cpu")
     n = int(mb * MiB) // 4
@@ -112,18 +114,21 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     sent16 = torch.zeros(slice_n * ranks, dtype=torch.bfloat16)
     summed16 = torch.empty(slice_n, dtype=torch.bfloat16)
     passes = {
-        "bf16 pack": bind_pack([bucket], wire16, 1.0 / ranks, canonical_nan=False),
-        "bf16 unpack": bind_unpack(wire16, [grads], 1.0, canonical_nan=False),
-        f"bf16 sum of slices x{ranks}": bind_sum_slices(sent16, ranks, summed16, canonical_nan=False),
-        "fp8 quantize +ef": bind_quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual),
-        f"fp8 reduce x{ranks} +ef": bind_reduce_blocks(received, ranks, shard, residual=shard_residual),
-        "fp8 dequantize": bind_dequantize_blocks(send, layout, grads, canonical_nan=False),
+        "bf16 pack": pack.prepare([bucket], wire16, 1.0 / ranks, canonical_nan=False).fixed([bucket], wire16),
+        "bf16 unpack": unpack.prepare(wire16, [grads], 1.0, canonical_nan=False).fixed(wire16, [grads], None),
+        f"bf16 sum of slices x{ranks}": sum_slices.prepare(sent16, ranks, summed16, canonical_nan=False).fixed(
+            sent16, summed16),
+        "fp8 quantize +ef": quantize_blocks.prepare(bucket, layout, send, 1.0 / ranks, residual=residual).fixed(
+            bucket, send, residual),
+        f"fp8 reduce x{ranks} +ef": reduce_blocks.prepare(received, ranks, shard, residual=shard_residual).fixed(
+            received, shard, shard_residual),
+        "fp8 dequantize": dequantize_blocks.prepare(send, layout, grads, canonical_nan=False).fixed(send, grads, None),
     }
     ns = {name: bench_us(fn, cpu, rep_ms=400) * 1e3 / n for name, fn in passes.items()}
     bf16 = ns["bf16 pack"] + ns["bf16 unpack"]
     fp8 = ns["fp8 quantize +ef"] + ns[f"fp8 reduce x{ranks} +ef"] + ns["fp8 dequantize"]
     sums = bf16 + ns[f"bf16 sum of slices x{ranks}"]
-    from ddp_triton.kernels.torch_wire import cpu_fp8_passes
+    from ddp_triton.kernels.cpu_fp8 import cpu_fp8_passes
 
     return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(),
             "fp8_cpu_path": cpu_fp8_passes(),

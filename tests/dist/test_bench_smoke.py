@@ -297,15 +297,15 @@ def test_host_benchmark_smoke():
     import torch
 
     data = run_json(["bench.host", "--quick"])
-    keys = ["torch_op", "pack_1", "pack_148", "unpack_148", "unpack_stats_148", "bound", "bound_fp8", "fsdp_fp8_plain",
-            "fsdp_fp8_prepared", "fsdp_fp8_prepared_new", "hook_bucket", "pack_1_first", "pack_148_first"]
+    keys = ["torch_op", "pack_1", "pack_148", "unpack_148", "unpack_stats_148", "prepared_1", "prepared_148", "fixed",
+            "fixed_fp8", "fsdp_fp8_plain", "fsdp_fp8_prepared", "fsdp_fp8_prepared_new", "hook_bucket"]
     assert [r["key"] for r in data["rows"]] == keys
     assert timed(data["torch_op_us"]) and data["env"]["torch"] == torch.__version__
     for row in data["rows"][1:]:
         key = row["key"]
         assert timed(row["us"]) and data[f"{key}_us"] == row["us"], key
         assert data[f"{key}_ratio"] == row["ratio"] == row["us"] / data["torch_op_us"], key
-    assert set(data["targets"]) == {"pack_1_ratio", "pack_148_ratio", "bound_ratio"}
+    assert set(data["targets"]) == {"fixed_ratio"}
 
 
 def test_wire_kernels_cpu_mode_smoke(tmp_path):
