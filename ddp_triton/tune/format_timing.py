@@ -59,10 +59,6 @@ class _Bucket:
         return self._params
 
 
-def _state_for(name: str) -> CommState:
-    return CommState(**WireFormat.parse(name).options(), profile=None)
-
-
 def node_count() -> int:
     """How many nodes the default group's ranks are on, as the runtime's node groups count them (torchrun's
     ``GROUP_RANK``, else the host name): every rank calls this (one all-gather)."""
@@ -115,7 +111,8 @@ def time_formats(sizes: Sequence[int], formats: Sequence[str], warmup: int = 2, 
                          "exchange runs flat; time the flat format instead")
     device = comm_device()
     bar = Progress(len(sizes), enabled=progress and dist.get_rank() == 0)
-    states = {name: _state_for(name) for name in names}  # in one order on every rank: some create groups
+    # In one order on every rank: some create groups.
+    states = {name: CommState(**WireFormat.parse(name).options(), profile=None) for name in names}
     buckets: List[_Bucket] = []  # alive to the end: residuals are kept by parameter identity
     rows: List[Dict[str, Any]] = []
     t0 = time.perf_counter()

@@ -30,16 +30,13 @@ _LOG_BOUNDS = (math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
 Row = Union[Mapping[str, Any], Any]
 
 
-def _model_times(fabric: Fabric, algorithm: str, sizes: Sequence[int], protocols: Sequence[str],
-                 x: Tuple[float, float]) -> List[float]:
-    cal = Calibration(algorithms={algorithm: AlgorithmCalibration(math.exp(x[0]), math.exp(x[1]))})
-    f = dataclasses.replace(fabric, calibration=cal)
-    return [protocol_time_us(f, s, algorithm, p) for s, p in zip(sizes, protocols)]  # type: ignore[misc]
-
-
 def _residuals(fabric: Fabric, algorithm: str, sizes: Sequence[int], protocols: Sequence[str],
                log_measured: Sequence[float], x: Tuple[float, float]) -> List[float]:
-    return [math.log(t) - m for t, m in zip(_model_times(fabric, algorithm, sizes, protocols, x), log_measured)]
+    """ln(model time) - ln(measured time) per size, with the log-factors ``x`` (latency, bandwidth) applied."""
+    cal = Calibration(algorithms={algorithm: AlgorithmCalibration(math.exp(x[0]), math.exp(x[1]))})
+    f = dataclasses.replace(fabric, calibration=cal)
+    return [math.log(protocol_time_us(f, s, algorithm, p)) - m  # type: ignore[arg-type]
+            for s, p, m in zip(sizes, protocols, log_measured)]
 
 
 def _solve2(a: List[List[float]], b: List[float]) -> Tuple[float, float]:

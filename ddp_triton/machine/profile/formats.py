@@ -115,18 +115,6 @@ def admitted_formats(allowed: Sequence[str], world_size: int, nodes: int) -> Tup
     return out, {name: "; ".join(texts) for name, texts in reasons.items()}
 
 
-def model_format_rows(fabric: cm.Fabric, formats: Sequence[str], sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
-                      host: cm.HostCost = cm.GPU_HOST_COST) -> List[FormatRow]:
-    """The cost model's time per bucket size (gradient bytes, float32) and format: wire plus host."""
-    rows = []
-    for size in sizes:
-        n = max(1, size // 4)
-        for name in formats:
-            t = cm.bucket_time_us(fabric, n, name, host)
-            rows.append(FormatRow(size, name, t, t))
-    return rows
-
-
 def choose_formats(rows: Sequence[FormatRow], tolerance: float = SWITCH_TOLERANCE,
                    replaced: Optional[Mapping[str, str]] = None) -> List[FormatRange]:
     """Contiguous ranges of the format ``format_rule.decide_format`` picks per size, from the smallest size up, each
@@ -165,6 +153,12 @@ def format_choice(source: str, allowed: Sequence[str], rows: Sequence[FormatRow]
 
 def model_format_choice(fabric: cm.Fabric, allowed: Sequence[str], sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
                         host: cm.HostCost = cm.GPU_HOST_COST) -> FormatChoice:
-    """The cost model's choice among ``allowed`` on ``fabric`` (after the accuracy rule), per bucket size."""
+    """The cost model's choice among ``allowed`` on ``fabric`` (after the accuracy rule), per bucket size (gradient
+    bytes, float32), from each format's wire and host time."""
     admitted, replaced = admitted_formats(allowed, fabric.world_size, fabric.nodes)
-    return format_choice("model", allowed, model_format_rows(fabric, admitted, sizes, host), replaced, host.source)
+    rows = []
+    for size in sizes:
+        for name in admitted:
+            t = cm.bucket_time_us(fabric, max(1, size // 4), name, host)
+            rows.append(FormatRow(size, name, t, t))
+    return format_choice("model", allowed, rows, replaced, host.source)
