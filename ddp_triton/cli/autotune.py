@@ -36,8 +36,6 @@ from .args import EXIT_FAILED, EXIT_OK, UsageError
 from .outputs import check_outputs, emit
 
 
-
-
 def _launch_topology(args: argparse.Namespace, world_size: Optional[int], required: bool) -> Any:
     """The topology as launched (nodes, ranks per node), or None when it is unknown and not required."""
     try:
@@ -98,7 +96,6 @@ def _check_tuner_csv(args: argparse.Namespace, topo: Any, backend: str) -> None:
         cm.Fabric.from_topology(topo)
     except ValueError as e:
         raise UsageError(f"--nccl-tuner-csv needs the cost model's protocols: {e}") from None
-
 
 
 def _common_profile_kwargs(args: argparse.Namespace) -> dict:
