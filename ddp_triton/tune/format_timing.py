@@ -24,10 +24,10 @@ import torch.distributed as dist
 from ..formats import WireFormat, canonical_name
 from ..machine import cost_model as cm
 from ..machine.profile import median_interval, runs_flat
-from ..runtime.algo_groups import gather_text
+from ..runtime.algo_groups import collective_device, gather_text
 from ..runtime.nodes import node_name, partition
 from ..runtime.state import CommState
-from .processes import agree_on_plan, comm_device
+from .processes import agree_on_plan
 from .progress import Progress
 
 #: Timed rounds per bucket size: at least MIN_ROUNDS (five samples: a median interval of min..max, 94% coverage),
@@ -109,7 +109,7 @@ def time_formats(sizes: Sequence[int], formats: Sequence[str], warmup: int = 2, 
     if flat:
         raise ValueError(f"{', '.join(flat)}: on {nodes} node(s) of {dist.get_world_size()} ranks a two-level "
                          "exchange runs flat; time the flat format instead")
-    device = comm_device()
+    device = collective_device(dist.group.WORLD)
     bar = Progress(len(sizes), enabled=progress and dist.get_rank() == 0)
     # In one order on every rank: some create groups.
     states = {name: CommState(**WireFormat.parse(name).options(), profile=None) for name in names}

@@ -22,14 +22,6 @@ import torch.multiprocessing as mp
 from ..log import warn_once
 
 
-def comm_device(group: Any = None) -> torch.device:
-    """Device a collective on ``group`` needs its tensors on: the current CUDA device for NCCL, else CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _worker(rank: int, world_size: int, backend: str, store_path: str, result_path: str, fn_path: str,
             args: Tuple[Any, ...]) -> None:
     """Entry point of a spawned process: join the group, run the function, rank 0 writes its JSON result."""

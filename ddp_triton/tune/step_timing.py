@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..machine.profile import Profile
-from .processes import comm_device
+from ..runtime.algo_groups import collective_device
 
 
 #: Hooks e2e mode can try. "allreduce": DDP's own fp32 all-reduce (no hook); "bf16_compress": torch's
@@ -102,7 +102,7 @@ def run_e2e(factory_spec: str, bucket_mbs: Optional[Sequence[float]], hooks: Seq
     with its reason (the hook's own checks, e.g. torch's bf16 hook wants CUDA and NCCL); an error inside a step is
     raised (it would leave the ranks out of step).
     """
-    device = comm_device()
+    device = collective_device(dist.group.WORLD)
     factory = load_factory(factory_spec)
     made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ..dtypes import dtype_size, normalize_dtype
 from ..machine.cost_model import busbw_factor
-from ..runtime.algo_groups import make_algorithm_groups
-from .processes import agree_on_plan, comm_device
+from ..runtime.algo_groups import collective_device, make_algorithm_groups
+from .processes import agree_on_plan
 from .progress import Progress
 
 
@@ -84,7 +84,7 @@ def run_sweep(sizes: Sequence[int], algorithms: Union[Sequence[str], Mapping[str
         raise ValueError(f"need warmup >= 0 and iters >= 1, got {warmup}, {iters}")
     world = dist.get_world_size()
     rank = dist.get_rank()
-    device = comm_device()
+    device = collective_device(dist.group.WORLD)
     if groups is None:
         groups = make_algorithm_groups({a for algs in per_dtype.values() for a in algs})
     plan = [(dt, s, a) for dt in dtypes for s in sizes if s >= dtype_size(dt) for a in per_dtype[dt]]
