@@ -32,11 +32,12 @@ def package_version(key: str) -> Optional[str]:
 
 
 def parse_nccl_version(v: Any) -> Optional[Tuple[int, int, int]]:
-    """(major, minor, patch) from torch's ``torch.cuda.nccl.version()`` (a tuple, or an int like 21805), or None."""
+    """(major, minor, patch) from torch's ``torch.cuda.nccl.version()`` (a tuple, with NCCL's version suffix as a
+    fourth element when the build has one; or an int like 21805), or None."""
     if v is None:
         return None
     if isinstance(v, (tuple, list)):
-        parts = [int(x) for x in v][:3]
+        parts = [int(x) for x in v[:3]]  # a fourth element, NCCL's version suffix, is text
         return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
     if isinstance(v, int):
         # NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch before.

@@ -391,6 +391,8 @@ def test_default_sizes():
 
 @pytest.mark.parametrize("raw,expected", [
     pytest.param((2, 21, 5), (2, 21, 5), id="tuple"),
+    # torch.cuda.nccl.version() appends NCCL's version suffix, a string, when the build has one
+    pytest.param((2, 28, 9, "+cuda13.0"), (2, 28, 9), id="tuple-with-suffix"),
     pytest.param(21805, (2, 18, 5), id="code-since-2.9"),
     pytest.param(2708, (2, 7, 8), id="code-before-2.9"),
     pytest.param("2.19.3+cuda12.2", (2, 19, 3), id="string"),
