@@ -28,14 +28,18 @@ _EXPORTS = {
     "ddp_kwargs": "ddp_triton.machine.profile",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+#: Modules reached as attributes of the package: ``ddp_triton.fsdp.register(model)`` after ``import ddp_triton``.
+_MODULES = ("fsdp",)
+
+__all__ = [*_EXPORTS, *_MODULES, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
+    if name in _EXPORTS or name in _MODULES:
         import importlib
 
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS.get(name, f"ddp_triton.{name}"))
+        value = module if name in _MODULES else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ddp_triton' has no attribute {name!r}")
