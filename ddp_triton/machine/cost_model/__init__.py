@@ -13,7 +13,8 @@ one node's measurement (``--calibration``) or from public figures alone.
   size, chunk pipelining. ``estimate``, ``sweep``, ``best``, ``nccl_choice``.
 * ``calibration`` and ``fit``: per-algorithm factors fitted to a measured sweep (least squares on log-time).
 * ``wire``: a bucket's wire formats (one all-reduce in bf16/fp16/fp32; all-to-all plus all-gather in bf16 with
-  fp32 sums, or in block-scaled FP8), their bytes and predicted time.
+  fp32 sums, or in block-scaled FP8), their bytes and predicted time, and a bucket cut into chunks (fill plus
+  drain).
 
 Units: bytes, microseconds, GB/s (10^9 bytes per second, as nccl-tests prints).
 """
@@ -27,9 +28,10 @@ from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, comm_channels
 from .nccl import _latency_us  # noqa: F401 (NCCL's latency, which the tests check by hand)
 from .ramp import (AMPERE_NVLINK_STEP_US, AMPERE_RING_LL_FACTOR, NVLS_CHUNK_SYNC_US, best, estimate, nccl_choice,
                    protocol_time_us, ring_windows, sweep)
-from .wire import (CPU_HOST_COST, GPU_HOST_COST, HostCost, all_gather_time_us, all_to_all_time_us, bucket_time_us,
-                   collectives_of, host_time_us, two_level_node_bytes, two_level_part, two_level_time_us, wire_bytes,
-                   wire_collectives, wire_format_time_us)
+from .wire import (CPU_HOST_COST, GPU_HOST_COST, MAX_CHUNKS, MIN_CHUNK_BYTES, HostCost, all_gather_time_us,
+                   all_to_all_time_us, best_chunk_count, bucket_time_us, chunk_stages_us, chunkable, chunked_time_us,
+                   collectives_of, host_time_us, link_bound_chunk_count, pipelined_us, two_level_node_bytes,
+                   two_level_part, two_level_time_us, wire_bytes, wire_collectives, wire_format_time_us)
 
 __all__ = [
     # vocabulary (fabric.py)
@@ -48,4 +50,7 @@ __all__ = [
     "two_level_node_bytes", "two_level_part", "two_level_time_us",
     # a bucket's whole cost (wire.py)
     "CPU_HOST_COST", "GPU_HOST_COST", "HostCost", "bucket_time_us", "collectives_of", "host_time_us",
+    # a bucket cut into chunks (wire.py)
+    "MAX_CHUNKS", "MIN_CHUNK_BYTES", "best_chunk_count", "chunk_stages_us", "chunkable", "chunked_time_us",
+    "link_bound_chunk_count", "pipelined_us",
 ]

@@ -30,13 +30,20 @@ float32 bucket (priced as the ring all-gather of the same buffer: the same steps
 exchange of each rank's part (1/ppn of the bucket, whole FP8 blocks) among one rank per node in the format, and an
 all-gather inside the node. The ppn cross exchanges run at once and share the node's NICs, so each is priced on a
 fabric of one rank per node with 1/ppn of the node's rate. The stages run one after another.
+
+Chunks (``chunked_time_us``): the runtime cuts a two-level bucket, and a flat FP8 one, into chunks at block
+boundaries, each exchanged on its own in order, so that a stage works on chunk k+1 while the next stage has chunk k.
+Its price is fill plus drain: the stages of one chunk (``chunk_stages_us``: each stage's collective at the chunk's
+size, its passes and its host call) one after another, then the slowest stage once for every further chunk. A
+chunk costs its collectives' latencies and host calls again, so ``best_chunk_count`` weighs that against the fill,
+with at least ``MIN_CHUNK_BYTES`` of the bucket a chunk.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ...formats import FP8_BLOCK, FP8_BLOCK_BYTES, WireFormat, traffic_of
 from .fabric import PROTOCOLS, Fabric, _SIMPLE
@@ -229,7 +236,102 @@ def host_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCos
 
 def bucket_time_us(fabric: Fabric, n_elements: int, fmt: Union[WireFormat, str], host: HostCost) -> float:
     """Predicted time of one bucket of ``n_elements`` float32 gradients in ``fmt`` (a WireFormat or its name): the
-    wire (``wire_format_time_us``, or ``two_level_time_us``) plus ``host_time_us``."""
+    wire (``wire_format_time_us``, or ``two_level_time_us``) plus ``host_time_us``; a format the runtime cuts into
+    chunks at the count ``best_chunk_count`` picks (``chunked_time_us``: one chunk is the sum above)."""
     fmt = WireFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if chunkable(fmt, fabric):
+        return chunked_time_us(fabric, n_elements, fmt, host, best_chunk_count(fabric, n_elements, fmt, host))
     wire = (two_level_time_us if fmt.two_level else wire_format_time_us)(fabric, n_elements, fmt.traffic)
     return wire + host_time_us(fabric, n_elements, fmt, host)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A bucket cut into chunks: fill plus drain
+# --------------------------------------------------------------------------------------------------------------------
+
+#: The least of a bucket a chunk holds (its gradients' bytes), so that a chunk's host calls (a few hundred us on a
+#: CPU rank, ``CPU_HOST_COST``) and gloo's latency below 128 KiB (0.9-4 ms whatever the size, bench/RESULTS.md) stay
+#: small beside its bytes: a bucket under twice this is never cut.
+MIN_CHUNK_BYTES = 1 << 20
+#: The most chunks a bucket is cut into: beyond it the fill saved is under 1/64 of the other stages.
+MAX_CHUNKS = 64
+
+
+def chunkable(fmt: WireFormat, fabric: Fabric) -> bool:
+    """Whether the runtime may cut a bucket in ``fmt`` into chunks on ``fabric``: a two-level exchange that runs
+    two-level there, and the flat block-scaled FP8 exchange."""
+    if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
+        return True
+    return fmt.traffic == "fp8" and not fmt.two_level and fabric.world_size > 1
+
+
+def pipelined_us(stage_us: Sequence[float], chunks: int) -> float:
+    """Fill plus drain: the stages of one chunk one after another, then the slowest stage for each further chunk."""
+    return sum(stage_us) + (chunks - 1) * max(stage_us)
+
+
+def chunk_stages_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost,
+                    link_elements: Optional[int] = None) -> List[float]:
+    """Each stage's time for one chunk of ``n_elements`` float32 gradients, in pipeline order, the stage that
+    crosses the node link second. Two-level: the node's sum (reduce-scatter and the pack), the exchange between the
+    nodes (its collectives and the format's passes on the chunk's part), the node's all-gather (and the unpack).
+    Flat FP8: the quantize, the all-to-all, reduce and all-gather (one group: one after another), the dequantize.
+    Each stage's collectives cost ``host.collective_us`` on the host. ``link_elements``: the collectives that cross
+    the node link priced at that many elements instead (one block: their fixed cost), for
+    ``link_bound_chunk_count``."""
+    on_link = n_elements if link_elements is None else link_elements
+    call = host.collective_us
+    if fmt.two_level:
+        ppn = fabric.ranks_per_node
+        part = two_level_part(n_elements, ppn)
+        node = replace(fabric, nodes=1, inter_gbps=0.0)
+        cross = replace(fabric, ranks_per_node=1, intra_gbps=0.0, inter_gbps=fabric.inter_gbps / ppn,
+                        nvswitch=False, calibration=None)
+        inside = all_gather_time_us(node, ppn * part * 4) + call
+        copies = 0.5 * host.two_level_ns_per_element * n_elements * 1e-3
+        traffic = "bf16" if fmt.traffic == "bf16+fp32sum" and _one_all_reduce(fmt.traffic, fabric.nodes) \
+            else fmt.traffic
+        between = (wire_format_time_us(cross, two_level_part(on_link, ppn), fmt.traffic)
+                   + host.passes_ns(traffic) * part * 1e-3)
+        return [inside + copies, between + (1 if _one_all_reduce(fmt.traffic, fabric.nodes) else 2) * call,
+                inside + copies]
+    third = host.passes_ns(fmt.traffic) * n_elements * 1e-3 / 3
+    return [third, wire_format_time_us(fabric, on_link, fmt.traffic) + 2 * call + third, third]
+
+
+def chunked_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost, chunks: int) -> float:
+    """Predicted time of one bucket in ``fmt`` cut into ``chunks`` chunks (``chunkable``): the host's cost per bucket
+    (which includes the first collective's call) and the chunks' fill plus drain."""
+    stages = chunk_stages_us(fabric, math.ceil(n_elements / chunks), fmt, host)
+    return host.bucket_us - host.collective_us + pipelined_us(stages, chunks)
+
+
+def _chunk_counts(n_elements: int, element_bytes: int, min_chunk_bytes: int) -> range:
+    return range(1, max(1, min(MAX_CHUNKS, n_elements * element_bytes // min_chunk_bytes)) + 1)
+
+
+def best_chunk_count(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost,
+                     min_chunk_bytes: int = MIN_CHUNK_BYTES) -> int:
+    """The chunk count that prices a bucket of ``n_elements`` float32 gradients lowest (``chunked_time_us``), each
+    chunk at least ``min_chunk_bytes`` of it; 1 where ``fmt`` is not cut on ``fabric``."""
+    if not chunkable(fmt, fabric):
+        return 1
+    counts = _chunk_counts(n_elements, 4, min_chunk_bytes)
+    return min(counts, key=lambda k: chunked_time_us(fabric, n_elements, fmt, host, k))
+
+
+def link_bound_chunk_count(fabric: Fabric, n_elements: int, element_bytes: int, fmt: WireFormat, host: HostCost,
+                           min_chunk_bytes: int = MIN_CHUNK_BYTES) -> int:
+    """``best_chunk_count`` where the node link's rate is not known (NVML sees no NICs), as if the link were the
+    slowest stage, the case chunks are for. Fill plus drain is then the link's bytes, whatever the count, plus the
+    other stages of one chunk and the link stage's fixed cost (latency, host calls: its time at one block) for every
+    further chunk; the count that minimises that does not depend on the link's rate (``fabric.inter_gbps`` prices
+    one block only). Buckets of ``element_bytes`` per gradient."""
+    if not chunkable(fmt, fabric):
+        return 1
+
+    def price(k: int) -> float:
+        stages = chunk_stages_us(fabric, math.ceil(n_elements / k), fmt, host, link_elements=FP8_BLOCK)
+        return sum(stages) + (k - 1) * stages[1]
+
+    return min(_chunk_counts(n_elements, element_bytes, min_chunk_bytes), key=price)
