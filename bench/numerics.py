@@ -74,7 +74,8 @@ from ddp_triton import kernels  # noqa: E402
 from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
 from ddp_triton.formats import average_factors  # noqa: E402
-from ddp_triton.runtime.two_level import part_length, pieces_within  # noqa: E402
+from ddp_triton.runtime.chunks import pieces_within  # noqa: E402
+from ddp_triton.runtime.two_level import part_length  # noqa: E402
 
 
 #: (name, elements, scale). 10,138 elements: N = 1024 ranks are 10M float32 values, which the FP8 pipeline

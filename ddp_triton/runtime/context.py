@@ -18,6 +18,7 @@ from ..formats import WireFormat, average_factors
 from ..log import warn_once
 from ..machine.profile import AUTO_FORMAT
 from .algo_groups import fail_together, select_group
+from .chunks import agreed_chunk_bytes
 from .exchange import ExchangeQueue
 from .nodes import NodeGroups, bind_node_groups
 from .profile_choice import bind_profile
@@ -50,6 +51,9 @@ class Context:
     """FP8 error-feedback residuals by parameter (``residuals.py``)."""
     grad_stats: bool
     """Whether each bucket's unpack also computes its statistics (``grad_stats.py``)."""
+    chunk_bytes: Optional[int] = None
+    """Bytes of a bucket per chunk (``chunks.py``; 0: no chunks), as ``DDP_TRITON_CHUNK_BYTES`` says on every rank;
+    None: the cost model chooses."""
 
     @property
     def mixed(self) -> bool:
@@ -102,7 +106,7 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
             wire = wire.flat()
             formats = None if formats is None else {name: w.flat() for name, w in formats.items()}
     return Context(group, world_size, backend, wire, formats, active, algorithm_groups, nodes, queue, residuals,
-                   grad_stats)
+                   grad_stats, agreed_chunk_bytes(group))
 
 
 def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:

@@ -3,7 +3,8 @@
 An exchange is a list of stages (``StagedExchange``), each a computation and an asynchronous collective, and a last
 computation (``finish``, writing DDP's bucket); each wire format's exchange is built in ``wire_exchanges.py``: one
 all-reduce, the sharded exchange's two stages (pack + all-to-all, sum + all-gather), or the two-level one's
-(``two_level.py``: a reduce-scatter inside the node, the node-crossing stages, an all-gather inside the node).
+(``two_level.py``: a reduce-scatter inside the node, the node-crossing stages, an all-gather inside the node). A
+bucket cut into chunks (``chunks.py``) is one such exchange per chunk (``ChunkedExchange``), started in order.
 
 Every rank must issue the collectives of a group in one order, and a gloo future's callback runs on gloo's own
 thread whenever the work finishes. The ``ExchangeQueue`` keeps one rule: each group's collectives are issued in the
@@ -73,6 +74,34 @@ class StagedExchange:
     def group(self) -> Any:
         """The group of the first collective."""
         return self.stages[0].group
+
+
+class ChunkedExchange:
+    """A bucket's exchange cut into chunks (``chunks.py``), each a StagedExchange over its own slice of the bucket,
+    started in order through the queue (``ExchangeQueue.start_chunks``): each group's collectives go out chunk by
+    chunk, so a stage works on chunk k+1 while a later one has chunk k. ``finish`` runs once every chunk finished
+    (adding up the chunks' statistics)."""
+
+    def __init__(self, buffer: torch.Tensor, chunks: Sequence[StagedExchange], finish: Callable[[], None],
+                 held: Sequence[torch.Tensor]) -> None:
+        self.buffer = buffer
+        """DDP's bucket buffer."""
+        self.chunks = tuple(chunks)
+        self.finish = finish
+        self.held = tuple(held)
+        """The buffers the chunks hold (the memory of the exchange)."""
+        self._subject = "a bucket"
+
+    @property
+    def subject(self) -> str:
+        """What a failed collective's message says it carried; each chunk's names the chunk too."""
+        return self._subject
+
+    @subject.setter
+    def subject(self, text: str) -> None:
+        self._subject = text
+        for k, chunk in enumerate(self.chunks):
+            chunk.subject = f"{text}, chunk {k + 1} of {len(self.chunks)}"
 
 
 class _Run:
@@ -177,6 +206,25 @@ class ExchangeQueue:
                 self._watch_works()
         finally:
             self._poke_if_wanted()
+        return result.future
+
+    def start_chunks(self, exchange: ChunkedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+        """Start every chunk of ``exchange`` in order (``start``; ``last`` applies to the last chunk); the future
+        completes once every chunk finished and ``exchange.finish`` ran, or fails with the first chunk's error."""
+        result = HookResult([exchange.buffer.device] if exchange.buffer.is_cuda else None)
+        count = len(exchange.chunks)
+        futures = [self.start(chunk, last and k == count - 1, watch) for k, chunk in enumerate(exchange.chunks)]
+
+        def finish(_: torch.futures.Future) -> None:
+            try:
+                for future in futures:
+                    future.value()  # the first failed chunk's error
+                exchange.finish()
+                result.set(exchange.buffer)
+            except BaseException as exc:  # noqa: BLE001
+                result.fail(exc)
+
+        torch.futures.collect_all(futures).then(finish)
         return result.future
 
     # ---- progress ------------------------------------------------------------------------------------------------

@@ -262,13 +262,14 @@ class ReplicaAverage:
             residuals = self.residuals
         self.layout = cached_layout(sizes, self.replicas, self.layout)
         return block_fp8_exchange(flat, self.wire, self.layout, self.group, self.replicas, 1.0 / self.replicas,
-                                  residuals, None, prepared=self.kernels)
+                                  residuals.chunk_residuals()[0] if residuals is not None else None, None,
+                                  prepared=self.kernels)
 
     def new_residuals(self, device: torch.device) -> LayoutResiduals:
         """Zero residuals for this FSDP group's shard, on ``device``."""
         layout = self.layout = cached_layout(tuple(self.comm.chunk_sizes()), self.replicas, self.layout)
         sizes = layout.sizes
-        return LayoutResiduals((), sizes, layout, (0, sum(sizes)), dist.get_rank(self.group),
+        return LayoutResiduals((), sizes, (layout,), (0, sum(sizes)), dist.get_rank(self.group),
                                torch.zeros(layout.n_elements, dtype=torch.float32, device=device),
                                torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32,
                                            device=device))

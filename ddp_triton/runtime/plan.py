@@ -19,8 +19,8 @@ with a message naming the collective and the bucket (``collective_errors.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,14 @@ from .. import kernels
 from ..formats import WireFormat
 from .collective_errors import collective_error
 from .context import Context
-from .exchange import ExchangeQueue, StagedExchange
+from .chunks import chunk_count
+from .exchange import ChunkedExchange, ExchangeQueue, StagedExchange
 from .grad_stats import BucketCoverage, new_stats
 from .residuals import LayoutResiduals
 from .telemetry import BucketRecord, Watch, wire_name
 from .two_level import two_level_exchange
-from .wire_exchanges import all_reduce_exchange, block_fp8_exchange, float32_sum_exchange
+from .wire_exchanges import (all_reduce_exchange, block_fp8_exchange, chunked_fp8_exchange, float32_sum_exchange,
+                             fp8_chunk_layouts)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +46,7 @@ class Plan:
 
     buffer: torch.Tensor
     """DDP's bucket buffer; holding it keeps its address (and Python object) this bucket's while the plan lives."""
-    exchange: StagedExchange
+    exchange: Union[StagedExchange, ChunkedExchange]
     queue: Optional[ExchangeQueue]
     """The state's queue, for an exchange of several collectives; None: one all-reduce, issued here."""
     wire_buffer: torch.Tensor
@@ -59,6 +61,13 @@ class Plan:
     """FP8 with error feedback: this bucket layout's residuals."""
     record: BucketRecord
     """Telemetry: what each pass hands to the collectives, the passes, timings (``telemetry.py``)."""
+    start: Callable[..., torch.futures.Future] = field(init=False, repr=False)
+    """How the queue starts the exchange: ``queue.start``, or ``queue.start_chunks`` for one cut into chunks."""
+
+    def __post_init__(self) -> None:
+        if self.queue is not None:
+            chunked = isinstance(self.exchange, ChunkedExchange)
+            object.__setattr__(self, "start", self.queue.start_chunks if chunked else self.queue.start)
 
     @property
     def valid(self) -> bool:
@@ -69,7 +78,7 @@ class Plan:
         """Send the bucket; the future completes once DDP's bucket holds the mean. ``last``: the backward's last."""
         self.record.passes += 1
         if self.queue is not None:
-            return self.queue.start(self.exchange, last)
+            return self.start(self.exchange, last)
         stage = self.exchange.stages[0]
         stage.compute()
         return stage.issue().get_future().then(self._finish)
@@ -78,7 +87,7 @@ class Plan:
         """``run``, with profiler ranges and timing marks around its phases."""
         self.record.passes += 1
         if self.queue is not None:
-            return self.queue.start(self.exchange, last, watch)
+            return self.start(self.exchange, last, watch)
         stage = self.exchange.stages[0]
         with watch.phase(stage.compute_phase):
             stage.compute()
@@ -143,20 +152,31 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context) -> Plan:
     if wire.two_level:
         if ctx.nodes is None:
             raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
+        chunks = chunk_count(buffer.numel(), buffer.element_size(), wire, ctx.nodes.local_size, ctx.nodes.n_nodes,
+                             buffer.is_cuda, ctx.chunk_bytes)
         exchange, residuals, pass_bytes = two_level_exchange(buffer, ids, sizes, wire, ctx.nodes, ctx.group, pre,
-                                                             post, stats, ctx.residuals)
-        record = BucketRecord(index, wire.name, pass_bytes, len(exchange.stages))
+                                                             post, stats, ctx.residuals, chunks)
+        record = BucketRecord(index, wire.name, pass_bytes, _collectives(exchange))
     elif wire.sharded and not wire.one_all_reduce(ctx.world_size):
         if wire.block_scaled:
-            layout = kernels.block_layout(sizes, ctx.world_size)
+            chunks = chunk_count(buffer.numel(), buffer.element_size(), wire, 1, ctx.world_size, buffer.is_cuda,
+                                 ctx.chunk_bytes)
+            offsets, layouts = fp8_chunk_layouts(sizes, ctx.world_size, chunks)
             if wire.error_feedback:
-                residuals = ctx.residuals.for_layout(ids, sizes, layout, ctx.group, buffer.device)
-            exchange = block_fp8_exchange(buffer, wire, layout, ctx.group, ctx.world_size, pre, residuals, stats)
+                residuals = ctx.residuals.for_layout(ids, sizes, layouts, ctx.group, buffer.device)
+            if len(layouts) == 1:
+                exchange = block_fp8_exchange(buffer, wire, layouts[0], ctx.group, ctx.world_size, pre,
+                                              residuals.chunk_residuals()[0] if residuals is not None else None, stats)
+            else:
+                exchange = chunked_fp8_exchange(buffer, wire, offsets, layouts, ctx.group, ctx.world_size, pre,
+                                                residuals, stats)
         else:
             exchange = float32_sum_exchange(buffer, wire, ctx.group, ctx.world_size, pre, post, stats)
         # The all-to-all is handed the whole send buffer, the all-gather this rank's shard: together what a ring
         # all-reduce of the send buffer sends, so the bucket counts as one message of the send buffer's size.
-        record = BucketRecord(index, wire.name, {wire.name: _bytes(exchange.send)}, 2)
+        chunked = exchange.chunks if isinstance(exchange, ChunkedExchange) else [exchange]
+        record = BucketRecord(index, wire.name, {wire.name: sum(_bytes(c.send) for c in chunked)},
+                              _collectives(exchange))
     else:
         exchange, record, algorithm = _all_reduce(buffer, index, wire, ctx, pre, post, stats)
         queue = ctx.queue if ctx.queue_all else None
@@ -233,6 +253,12 @@ class _FoldOnce:
         if self.fold is not None:
             fold, self.fold = self.fold, None
             fold()
+
+
+def _collectives(exchange: Union[StagedExchange, ChunkedExchange]) -> int:
+    """Collectives an exchange issues in one pass: its stages, or every chunk's."""
+    chunks = exchange.chunks if isinstance(exchange, ChunkedExchange) else (exchange,)
+    return sum(len(chunk.stages) for chunk in chunks)
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,22 +41,24 @@ STATE_DICT_VERSION = 1
 class LayoutResiduals:
     """The residuals of one bucket layout: its parameters (by identity, in bucket order) and where each one's live.
 
-    ``layout`` is the block grid the FP8 exchange runs on, over the bucket's elements ``span``: the whole bucket for
-    the flat exchange, this rank's part of it for the two-level one (``two_level.py``). This rank holds the first
-    stage of the span's elements and the second stage of the grid's rows of shard ``shard``.
+    ``layouts`` are the block grids the FP8 exchange runs on, one per chunk, one after another over the bucket's
+    elements ``span``: the whole bucket for the flat exchange, this rank's part of it for the two-level one
+    (``two_level.py``); one grid unless the exchange is cut into chunks (``chunks.py``), each chunk's rows sharded on
+    their own. This rank holds the first stage of the span's elements and the second stage of each grid's rows of
+    shard ``shard``, the chunks' one after another.
     """
 
     params: Tuple[int, ...]
     sizes: Tuple[int, ...]
-    layout: BlockLayout
+    layouts: Tuple[BlockLayout, ...]
     span: Tuple[int, int]
-    """The bucket elements [start, end) whose first stage this rank holds; the layout's first elements."""
+    """The bucket elements [start, end) whose first stage this rank holds; the layouts' elements, in order."""
     shard: int
-    """Which of the layout's shards of rows this rank owns (its second stage)."""
+    """Which of each layout's shards of rows this rank owns (its second stage)."""
     first: torch.Tensor
-    """float32, ``layout.n_elements``: this rank's first-stage residual of the span's elements, in bucket order."""
+    """float32, the layouts' elements: this rank's first-stage residual of the span's elements, in bucket order."""
     second: torch.Tensor
-    """float32, ``layout.rows_per_shard * 128``: the second-stage residual of this rank's rows."""
+    """float32, 128 per row of each layout's shard: the second-stage residual of this rank's rows."""
     alive: bool = True
     """False once another layout took over its parameters: an entry holding it must bind again."""
 
@@ -71,13 +73,28 @@ class LayoutResiduals:
             start += size
         return out
 
+    def chunk_residuals(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(first, second) of each layout: the views of ``first`` and ``second`` its exchange adds and keeps."""
+        out, element, place = [], 0, 0
+        for layout in self.layouts:
+            rows = layout.rows_per_shard * BLOCK_ELEMENTS
+            out.append((self.first[element:element + layout.n_elements], self.second[place:place + rows]))
+            element, place = element + layout.n_elements, place + rows
+        return out
+
     def second_places(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(bucket elements, their places in ``second``) of the elements whose second stage this rank holds."""
         start, end = self.span
-        rows = self.layout.rows_per_shard * BLOCK_ELEMENTS
-        places = self.layout.positions()[: end - start].to(self.second.device) - self.shard * rows
-        mine = ((places >= 0) & (places < rows)).nonzero().view(-1)
-        return mine + start, places.index_select(0, mine)
+        elements, places, element, place = [], [], start, 0
+        for layout in self.layouts:
+            rows = layout.rows_per_shard * BLOCK_ELEMENTS
+            count = min(layout.n_elements, end - element)
+            at = layout.positions()[:count].to(self.second.device) - self.shard * rows
+            mine = ((at >= 0) & (at < rows)).nonzero().view(-1)
+            elements.append(mine + element)
+            places.append(at.index_select(0, mine) + place)
+            element, place = element + layout.n_elements, place + rows
+        return torch.cat(elements), torch.cat(places)
 
     def first_in_bucket(self) -> torch.Tensor:
         """This rank's first stage of every bucket element (zero outside its span)."""
@@ -115,10 +132,11 @@ class ResidualStore:
     pending_second: Dict[int, torch.Tensor] = field(default_factory=dict)
     """Per parameter, whole (unsharded) second-stage residuals waiting for the layout that re-slices them."""
 
-    def for_layout(self, params: Tuple[int, ...], sizes: Tuple[int, ...], layout: BlockLayout, group: Any,
-                   device: torch.device, span: Optional[Tuple[int, int]] = None, shard: Optional[int] = None,
-                   node_group: Any = None) -> LayoutResiduals:
-        """The residuals of this layout: made at its first bucket, from what earlier layouts or a load left.
+    def for_layout(self, params: Tuple[int, ...], sizes: Tuple[int, ...], layouts: Sequence[BlockLayout],
+                   group: Any, device: torch.device, span: Optional[Tuple[int, int]] = None,
+                   shard: Optional[int] = None, node_group: Any = None) -> LayoutResiduals:
+        """The residuals of this layout (``layouts``: its chunks' block grids): made at its first bucket, from what
+        earlier layouts or a load left.
 
         ``span`` and ``shard``: the bucket elements the layout covers and the shard of its rows this rank owns; by
         default the whole bucket and this rank's rank in ``group`` (the flat exchange). Collective over ``group``
@@ -135,9 +153,11 @@ class ResidualStore:
             self._retire(overlapping, group)
         span = (0, sum(sizes)) if span is None else span
         shard = dist.get_rank(group) if shard is None else shard
-        first = torch.zeros(layout.n_elements, dtype=torch.float32, device=device)
-        second = torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32, device=device)
-        held = LayoutResiduals(params, sizes, layout, span, shard, first, second)
+        layouts = tuple(layouts)
+        first = torch.zeros(sum(layout.n_elements for layout in layouts), dtype=torch.float32, device=device)
+        second = torch.zeros(sum(layout.rows_per_shard for layout in layouts) * BLOCK_ELEMENTS, dtype=torch.float32,
+                             device=device)
+        held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
             first_values, second_values = self._take_pending(held, device)
             if node_group is not None:  # every element's first stage is held by one rank of the node (or none)

@@ -16,19 +16,29 @@ elements (a whole number of FP8 blocks, the last parts zero-padded):
 Only step 2 crosses a node's link: per rank, what a ring all-reduce of 1/L of the bucket in the wire format sends,
 against the whole bucket for the flat exchange. Every stage goes through the state's exchange queue, so each
 group's collectives are issued in one order on every rank.
+
+A large bucket is cut into chunks (``chunks.py``): every part at the same targets, each at a block boundary of its
+own layout, and chunk k is the exchange above of its own: its L pieces packed into L slots of one size (the shorter
+zero-padded) of a send buffer of its own, their node sum, the cross exchange of this rank's piece (the part's blocks
+from the chunk's first to its last), the all-gather, the unpack. Started in order through the queue, chunk k+1's
+node sum runs while chunk k is between nodes; the results, and the residuals each element and block keeps, are the
+unchunked exchange's (with two ranks per node, or any sum that does not depend on an element's place in a buffer).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
 from ..formats import WireFormat
+from ..kernels import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS
-from .exchange import Stage, StagedExchange
+from .chunks import boundaries, cuts, element_boundaries, pieces_within
+from .exchange import ChunkedExchange, Stage, StagedExchange
 from .wire_exchanges import ShardedExchange, all_gather_into, block_fp8_exchange, float32_sum_exchange
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
@@ -41,42 +51,106 @@ def part_length(n: int, local_size: int) -> int:
     return max(1, -(-blocks // local_size)) * BLOCK_ELEMENTS
 
 
-def pieces_within(sizes: Sequence[int], start: int, end: int) -> List[int]:
-    """The sizes of the parts of tensors of ``sizes`` (laid out flat) that fall in elements [start, end)."""
-    out, offset = [], 0
-    for size in sizes:
-        low, high = max(start, offset), min(end, offset + size)
-        if high > low:
-            out.append(high - low)
-        offset += size
-    return out
-
-
 def _nothing() -> None:
     return None
 
 
 def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tuple[int, ...], wire: WireFormat,
                        nodes: NodeGroups, group: Any, pre_scale: float, post_scale: float,
-                       stats: Optional[torch.Tensor], store: ResidualStore
-                       ) -> Tuple[StagedExchange, Optional[LayoutResiduals], Dict[str, int]]:
-    """Bind ``buffer``'s two-level exchange: the stages, the FP8 residuals (or None) and the bytes each pass hands
-    to the collectives per wire format (the node's bucket-dtype exchange, then the cross exchange).
+                       stats: Optional[torch.Tensor], store: ResidualStore, chunks: int = 1
+                       ) -> Tuple[Union[StagedExchange, ChunkedExchange], Optional[LayoutResiduals], Dict[str, int]]:
+    """Bind ``buffer``'s two-level exchange, cut into at most ``chunks`` chunks (``chunks.py``): the exchange (one
+    StagedExchange, or one per chunk), the FP8 residuals (or None) and the bytes each pass hands to the collectives
+    per wire format (the node's bucket-dtype exchange, then the cross exchange).
 
     ``params``/``sizes``: the bucket's parameters (ids) and their element counts, in bucket order (FP8 only).
     ``group``: the whole averaging group (the residuals' re-slice runs on it). Collective for FP8 with error
     feedback when residuals move from an earlier layout.
     """
-    n, local = buffer.numel(), nodes.local_size
+    n, local, me = buffer.numel(), nodes.local_size, nodes.local_index
     part = part_length(n, local)
-    send = torch.zeros(local * part, dtype=buffer.dtype, device=buffer.device)  # the padding stays zero
-    shard = torch.zeros(part, dtype=buffer.dtype, device=buffer.device)
-    start = min(nodes.local_index * part, n)
-    end = min(start + part, n)
-    bucket, sent = [buffer], send[:n]
-    pack = kernels.pack.prepare(bucket, sent, pre_scale, canonical_nan=False).fixed(bucket, sent)
-    unpack = kernels.unpack.prepare(sent, bucket, 1.0, stats=stats, canonical_nan=False).fixed(sent, bucket, stats)
+    lengths = [min(n, (j + 1) * part) - min(n, j * part) for j in range(local)]
+    if wire.block_scaled:
+        allowed = [boundaries(kernels.block_layout(pieces_within(sizes, j * part, j * part + length), 1))
+                   for j, length in enumerate(lengths)]
+    else:
+        allowed = [element_boundaries(length) for length in lengths]
+    offsets, slots = cuts(allowed, part, chunks)
+    bases = [sum(slots[:k]) for k in range(len(slots))]
+    send = torch.zeros(local * sum(slots), dtype=buffer.dtype, device=buffer.device)  # the padding stays zero
+    shard = torch.zeros(sum(slots), dtype=buffer.dtype, device=buffer.device)
+    start = min(me * part, n)
+    mine = offsets[me]
+    residuals, layouts = None, [None] * len(slots)
+    if wire.block_scaled and wire.sharded and not wire.one_all_reduce(nodes.n_nodes):
+        layouts = [kernels.block_layout(pieces_within(sizes, start + a, start + b), nodes.n_nodes)
+                   for a, b in zip(mine, mine[1:])]
+        if wire.error_feedback:
+            residuals = store.for_layout(params, sizes, layouts, group, buffer.device, span=(start, start + mine[-1]),
+                                         shard=nodes.node_index, node_group=nodes.node_group)
+    per_chunk = residuals.chunk_residuals() if residuals is not None else [None] * len(slots)
+    pieces = [[(j * part + c[k], j * part + c[k + 1], j * slots[k]) for j, c in enumerate(offsets)]
+              for k in range(len(slots))]
+    calls = [_calls(chunk_pieces) for chunk_pieces in pieces]
+    rows = None
+    if stats is not None and sum(map(len, calls)) > 1:  # a statistics row per unpack call, added up at the end
+        rows = torch.zeros(sum(map(len, calls)), 2, dtype=torch.float32, device=buffer.device)
+    built, row = [], 0
+    for k, (slot, base) in enumerate(zip(slots, bases)):
+        send_k, shard_k = send[local * base:local * (base + slot)], shard[base:base + slot]
+        chunk_stats = [stats] * len(calls[k]) if rows is None else [rows[row + i] for i in range(len(calls[k]))]
+        row += len(calls[k])
+        built.append(_chunk(buffer, send_k, shard_k, calls[k], chunk_stats, wire, nodes, pre_scale, post_scale,
+                            mine[k + 1] - mine[k], layouts[k], per_chunk[k]))
+    node_bytes = send.numel() * send.element_size()
+    pass_bytes = {wire_name(buffer.dtype) + IN_NODE: node_bytes, wire.flat().name: sum(b for _, _, b in built)}
+    if len(built) == 1:
+        exchange, held, _ = built[0]
+        exchange.held = (send, shard, *held)
+        return exchange, residuals, pass_bytes
+    finish = _nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
+    cross_held = [t for _, held, _ in built for t in held]
+    chunked = ChunkedExchange(buffer, [exchange for exchange, _, _ in built], finish,
+                              (send, shard, *cross_held, *(() if rows is None else (rows,))))
+    return chunked, residuals, pass_bytes
+
+
+def _calls(pieces: Sequence[Tuple[int, int, int]]) -> List[Tuple[int, int, List[Tuple[int, int]]]]:
+    """The pack (and unpack) calls of one chunk, from its pieces (bucket elements [a, b) at slot offset ``at`` of
+    its send buffer): one call per contiguous run of the send buffer (slot_start, slot_end, the bucket ranges in it,
+    each as long as the bucket allows)."""
+    calls: List[Tuple[int, int, List[Tuple[int, int]]]] = []
+    for a, b, at in pieces:
+        if b == a:
+            continue
+        if calls and calls[-1][1] == at:
+            first, _, ranges = calls[-1]
+            if ranges[-1][1] == a:
+                ranges[-1] = (ranges[-1][0], b)
+            else:
+                ranges.append((a, b))
+            calls[-1] = (first, at + b - a, ranges)
+        else:
+            calls.append((at, at + b - a, [(a, b)]))
+    return calls
+
+
+def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
+           calls: Sequence[Tuple[int, int, List[Tuple[int, int]]]], stats: Sequence[Optional[torch.Tensor]],
+           wire: WireFormat, nodes: NodeGroups, pre_scale: float, post_scale: float, length: int,
+           layout: Optional[BlockLayout], residual: Optional[Tuple[torch.Tensor, torch.Tensor]]
+           ) -> Tuple[StagedExchange, Tuple[torch.Tensor, ...], int]:
+    """One chunk's two-level exchange, over its ``send`` buffer (L slots) and this rank's ``shard`` of it (its
+    piece: ``length`` elements, then zeros): the exchange, the buffers its cross exchange holds, and the bytes it
+    hands the cross exchange."""
+    packs, unpacks = [], []
+    for (low, high, ranges), chunk_stats in zip(calls, stats):
+        tensors, out = [buffer[a:b] for a, b in ranges], send[low:high]
+        packs.append(kernels.pack.prepare(tensors, out, pre_scale, canonical_nan=False).fixed(tensors, out))
+        unpacks.append(kernels.unpack.prepare(out, tensors, 1.0, stats=chunk_stats, canonical_nan=False).fixed(
+            out, tensors, chunk_stats))
     node_group, cross_group, gather_group = nodes.node_group, nodes.cross_group, nodes.gather_group
+    pack, unpack = _in_order(packs), _in_order(unpacks)
     if nodes.reduce_scatter:
         first = Stage("pack", pack, "reduce_scatter", lambda: reduce_scatter_single(shard, send, node_group),
                       node_group)
@@ -84,33 +158,38 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
     else:  # the node's sum by an all-reduce of the whole send buffer; this rank's part is copied out of it
         first = Stage("pack", pack, "all_reduce", lambda: dist.all_reduce(send, group=node_group, async_op=True),
                       node_group)
-        mine = send[nodes.local_index * part:(nodes.local_index + 1) * part]
+        slot = shard.numel()
+        mine = send[nodes.local_index * slot:(nodes.local_index + 1) * slot]
 
         def take_part() -> None:
             shard.copy_(mine)
 
-    residuals = None
-    if not wire.sharded or wire.one_all_reduce(nodes.n_nodes):
+    if layout is None and (not wire.sharded or wire.one_all_reduce(nodes.n_nodes)):
         cross_stages, cross_finish, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale)
     else:
-        if wire.block_scaled:
-            layout = kernels.block_layout(pieces_within(sizes, start, end), nodes.n_nodes)
-            if wire.error_feedback:
-                residuals = store.for_layout(params, sizes, layout, group, buffer.device, span=(start, end),
-                                             shard=nodes.node_index, node_group=node_group)
-            cross: ShardedExchange = block_fp8_exchange(shard[: end - start], wire.flat(), layout, cross_group,
-                                                        nodes.n_nodes, 1.0, residuals, None)
-        else:
-            cross = float32_sum_exchange(shard, wire.flat(), cross_group, nodes.n_nodes, 1.0, post_scale, None)
+        cross: ShardedExchange = (
+            block_fp8_exchange(shard[:length], wire.flat(), layout, cross_group, nodes.n_nodes, 1.0, residual, None)
+            if layout is not None else
+            float32_sum_exchange(shard, wire.flat(), cross_group, nodes.n_nodes, 1.0, post_scale, None))
         cross_stages = [stage._replace(compute_phase="cross_" + stage.compute_phase,
                                        collective_phase="cross_" + stage.collective_phase) for stage in cross.stages]
         cross_finish, cross_held, cross_bytes = cross.finish, cross.held, cross.collective_bytes()[0]
     cross_stages[0] = cross_stages[0]._replace(compute=_in_turn(take_part, cross_stages[0].compute))
     gather = Stage("cross_unpack", cross_finish, "all_gather",
                    lambda: all_gather_into(send, shard, group=gather_group, async_op=True), gather_group)
-    exchange = StagedExchange(buffer, [first, *cross_stages, gather], unpack, (send, shard, *cross_held))
-    node_bytes = send.numel() * send.element_size()
-    return exchange, residuals, {wire_name(buffer.dtype) + IN_NODE: node_bytes, wire.flat().name: cross_bytes}
+    return StagedExchange(buffer, [first, *cross_stages, gather], unpack, ()), tuple(cross_held), cross_bytes
+
+
+def _in_order(calls: List[Callable[[], None]]) -> Callable[[], None]:
+    """One call running ``calls`` in order (the call itself where there is one)."""
+    if len(calls) == 1:
+        return calls[0]
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
 
 
 def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:

@@ -5,6 +5,8 @@
   (``formats.py``). A kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each rank the
   N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard, and a
   kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
+- ``chunked_fp8_exchange``: the FP8 exchange of a bucket cut into chunks at block boundaries (``chunks.py``), one
+  ``block_fp8_exchange`` per chunk: the same blocks, so the same bits.
 
 A DDP bucket's kernels are prepared once and fixed to its buffers (``kernels.<op>.prepare(...).fixed(...)``: direct
 launches on CUDA, no checks per step); an FSDP group's, whose buffers are new at every step, are prepared once and
@@ -15,7 +17,7 @@ node-crossing hop is one of them over the cross group.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,8 @@ from .. import kernels
 from ..formats import WireFormat
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
-from .exchange import Stage, StagedExchange
+from .chunks import boundaries, cuts, pieces_within
+from .exchange import ChunkedExchange, Stage, StagedExchange
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 
@@ -105,18 +108,18 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
 
 
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
-                       pre_scale: float, residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor],
-                       prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
-    """Block-scaled FP8: quantize (with error feedback), all-to-all, float32 sum and requantize, all-gather,
-    dequantize. With ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
+                       pre_scale: float, residual: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                       stats: Optional[torch.Tensor], prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
+    """Block-scaled FP8: quantize (with error feedback: ``residual``, the first and second stages it adds and
+    keeps, ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize.
+    With ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
     if prepared is not None and stats is not None:
         raise ValueError("an exchange through prepared calls takes no statistics")
     send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
     recv = torch.empty_like(send)
     shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
     fmt, sizes = wire.comm_dtype, layout.sizes
-    first = residuals.first if residuals is not None else None
-    second = residuals.second if residuals is not None else None
+    first, second = residual if residual is not None else (None, None)
     quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
                        lambda b, rows, left: kernels.quantize_blocks.prepare(b, layout, rows, pre_scale, fmt=fmt,
                                                                              residual=left),
@@ -129,3 +132,35 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
                                                                                canonical_nan=False),
                          send, buffer, stats)
     return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)
+
+
+def fp8_chunk_layouts(sizes: Sequence[int], world_size: int, count: int) -> Tuple[List[int], List[BlockLayout]]:
+    """The flat FP8 exchange of a bucket of tensors of ``sizes`` cut into at most ``count`` chunks at block
+    boundaries (``chunks.py``): the chunks' element offsets (from 0 to the bucket's end) and each chunk's block
+    layout over ``world_size`` shards, whose blocks are the whole bucket's."""
+    whole = kernels.block_layout(sizes, world_size)
+    if count == 1:
+        return [0, whole.n_elements], [whole]
+    offsets = cuts([boundaries(whole)], whole.n_elements, count)[0][0]
+    return offsets, [kernels.block_layout(pieces_within(sizes, a, b), world_size)
+                     for a, b in zip(offsets, offsets[1:])]
+
+
+def chunked_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, offsets: Sequence[int],
+                         layouts: Sequence[BlockLayout], group: Any, world_size: int, pre_scale: float,
+                         residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor]) -> ChunkedExchange:
+    """The flat FP8 exchange of ``buffer`` as one ``block_fp8_exchange`` per chunk (``fp8_chunk_layouts``), the
+    quantize of chunk k+1 running while chunk k is on the wire; with ``stats``, each chunk's dequantize writes a row
+    of its own, added up once every chunk finished."""
+    rows = None if stats is None else torch.zeros(len(layouts), 2, dtype=torch.float32, device=buffer.device)
+    residual = residuals.chunk_residuals() if residuals is not None else [None] * len(layouts)
+    chunks = [block_fp8_exchange(buffer[a:b], wire, layout, group, world_size, pre_scale, left,
+                                 None if rows is None else rows[k])
+              for k, (a, b, layout, left) in enumerate(zip(offsets, offsets[1:], layouts, residual))]
+    finish = _nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
+    held = [t for chunk in chunks for t in chunk.held] + ([] if rows is None else [rows])
+    return ChunkedExchange(buffer, chunks, finish, held)
+
+
+def _nothing() -> None:
+    return None

@@ -5,7 +5,7 @@ it issues through ``torch.distributed`` (kind, group size, element count), in is
 whose parameters are used in another order than they were registered, so that DDP's bucket rebuild after the first
 step changes the bucket layouts (the FP8 residuals are re-sliced with a collective of their own then), and whose
 ranks are slowed down at random points of the backward. The ranks' records must be equal, and every run must end
-within the workers' time limit.
+within the workers' time limit; also with buckets cut into chunks (``DDP_TRITON_CHUNK_BYTES``).
 """
 
 import os
@@ -20,8 +20,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
-from ddp_triton.runtime import exchange, two_level
+from ddp_triton.runtime import two_level, wire_exchanges
 from ddp_triton.runtime.algo_groups import scoped_env
+from ddp_triton.runtime.chunks import CHUNK_BYTES_ENV
+from ddp_triton.runtime.exchange import ChunkedExchange
 from dist_utils import run_workers
 
 LAYERS = 8
@@ -61,7 +63,7 @@ class Recorder:
         for name in _RECORDED:
             if hasattr(dist, name):
                 self._wrap(dist, name)
-        self._wrap(exchange, "all_gather_into")
+        self._wrap(wire_exchanges, "all_gather_into")
         self._wrap(two_level, "all_gather_into")
         return self
 
@@ -107,8 +109,9 @@ def _bucket_kwargs():
     return dict(bucket_cap_mb=BUCKET_CAP_MB)
 
 
-def _order_worker(rank, world_size, options, trials):
+def _order_worker(rank, world_size, options, trials, chunk_bytes=0):
     os.environ["GROUP_RANK"] = str(rank // 2)  # two ranks per node, for the two-level exchange
+    os.environ[CHUNK_BYTES_ENV] = str(chunk_bytes)  # 0: buckets whole; else chunks of that many bytes of a bucket
     for trial in range(trials):
         shared = random.Random(trial)  # the same model on every rank
         order = list(range(LAYERS))
@@ -116,7 +119,7 @@ def _order_worker(rank, world_size, options, trials):
         late = random.Random(1000 * trial + rank)  # each rank late in its own places
         model = Shuffled(order)
         ddp = DDP(model, **_bucket_kwargs())
-        ddp_triton.register(ddp, **options)
+        state = ddp_triton.register(ddp, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         with Recorder() as recorder:
             for step in range(STEPS):
@@ -124,6 +127,8 @@ def _order_worker(rank, world_size, options, trials):
                 opt.zero_grad()
                 ddp(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))).sum().backward()
                 opt.step()
+        cut = [len(p.exchange.chunks) for p in state.latest_pass() if isinstance(p.exchange, ChunkedExchange)]
+        assert bool(cut) == bool(chunk_bytes), cut
         records = [None] * world_size
         dist.all_gather_object(records, recorder.calls)
         if options.get("hierarchical"):  # node and cross groups: each group's members issue its calls in one order
@@ -148,17 +153,21 @@ def _order_worker(rank, world_size, options, trials):
 
 
 def test_two_level_collectives_in_one_order_per_group_under_stragglers_and_a_rebuild():
-    """2 nodes x 2 ranks: the node group's reduce-scatter and all-gather, the cross group's exchange."""
+    """2 nodes x 2 ranks: the node group's reduce-scatter and all-gather, the cross group's exchange; buckets whole
+    and cut into chunks of 16 KiB (8 or 9 a bucket: each group's collectives chunk by chunk)."""
     with scoped_env({"TRITON_INTERPRET": "0"}):
-        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True), 2),
-                                (dict(comm_dtype=torch.bfloat16, hierarchical=True), 1)):
-            run_workers(_order_worker, 4, options, trials, timeout=120)
+        for options, trials, chunk_bytes in ((dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True), 2, 0),
+                                             (dict(comm_dtype=torch.bfloat16, hierarchical=True), 1, 0),
+                                             (dict(comm_dtype=torch.float8_e4m3fn, hierarchical=True), 2, 16384)):
+            run_workers(_order_worker, 4, options, trials, chunk_bytes, timeout=120)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_in_one_order_under_stragglers_and_a_rebuild(world_size):
-    """FP8 with error feedback (its residuals re-slice at the rebuild) and bf16 with float32 sums."""
+    """FP8 with error feedback (its residuals re-slice at the rebuild), whole and in chunks of 16 KiB, and bf16 with
+    float32 sums."""
     with scoped_env({"TRITON_INTERPRET": "0"}):
-        for options, trials in ((dict(comm_dtype=torch.float8_e4m3fn), 3),
-                                (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 1)):
-            run_workers(_order_worker, world_size, options, trials, timeout=90)
+        for options, trials, chunk_bytes in ((dict(comm_dtype=torch.float8_e4m3fn), 3, 0),
+                                             (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), 1, 0),
+                                             (dict(comm_dtype=torch.float8_e4m3fn), 2, 16384)):
+            run_workers(_order_worker, world_size, options, trials, chunk_bytes, timeout=90)

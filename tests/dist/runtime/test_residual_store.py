@@ -13,12 +13,12 @@ from ddp_triton.runtime.residuals import ResidualStore
 
 def _same_ids_other_sizes(rank, world_size):
     store, group = ResidualStore(), dist.group.WORLD
-    old = store.for_layout((7,), (256,), block_layout((256,), world_size), group, torch.device("cpu"))
+    old = store.for_layout((7,), (256,), [block_layout((256,), world_size)], group, torch.device("cpu"))
     old.first.fill_(1.0)
     # The id 7 now names a parameter of 512 elements (Python reuses ids): a layout of its own, the old one retired.
-    new = store.for_layout((7,), (512,), block_layout((512,), world_size), group, torch.device("cpu"))
+    new = store.for_layout((7,), (512,), [block_layout((512,), world_size)], group, torch.device("cpu"))
     assert new is not old and new.n_elements == 512 and not old.alive
-    assert store.for_layout((7,), (512,), block_layout((512,), world_size), group, torch.device("cpu")) is new
+    assert store.for_layout((7,), (512,), [block_layout((512,), world_size)], group, torch.device("cpu")) is new
 
 
 def test_a_layout_is_found_again_only_for_the_same_sizes():
@@ -27,7 +27,7 @@ def test_a_layout_is_found_again_only_for_the_same_sizes():
 
 def _fold(rank, world_size):
     store, group = ResidualStore(), dist.group.WORLD
-    held = store.for_layout((1, 2), (100, 60), block_layout((100, 60), world_size), group, torch.device("cpu"))
+    held = store.for_layout((1, 2), (100, 60), [block_layout((100, 60), world_size)], group, torch.device("cpu"))
     held.first.fill_(float(rank + 1))  # rank 0: 1, rank 1: 2
     held.second.fill_(0.25)  # each rank's own rows: every element's second stage is 0.25
     # A bucket of parameter 2 alone, in a format without error feedback, takes what it is owed; parameter 1 waits.

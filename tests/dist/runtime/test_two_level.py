@@ -306,7 +306,8 @@ def test_ranks_that_disagree_on_hierarchical_fail_together():
 
 
 def test_part_length_whole_blocks_and_pieces():
-    from ddp_triton.runtime.two_level import part_length, pieces_within
+    from ddp_triton.runtime.chunks import pieces_within
+    from ddp_triton.runtime.two_level import part_length
 
     assert part_length(3904, 2) == 2048  # 31 blocks: 16 and 15
     assert part_length(4, 2) == 128  # the second part is empty
