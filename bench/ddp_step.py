@@ -22,6 +22,12 @@ differences are the hooks' own cost. torch refuses bf16_compress_hook outside NC
 SGD) captured in one CUDA graph by torch's recipe for DDP and timed per replay, against the eager step without a
 hook ("x no hook"): the host's share of a step, gone (CUDA and the MLP only).
 
+``--timeline`` records one more step of each triton variant after the timed ones: when each bucket's stages and
+chunks were issued and completed on rank 0, and the exchange exposed after the backward's last operation
+(bench/timeline.py, a JSON and a PNG). ``triton_hook_fp8_2level_whole`` and ``triton_hook_fp8_whole`` are FP8 + error
+feedback, two-level and flat, with every bucket in one piece (``DDP_TRITON_CHUNK_BYTES=0``), beside the variants
+whose large buckets go in chunks.
+
 ``--profile`` times nothing: for one variant at a time (each bucket view), after ``--warmup`` steps and one step of
 the profiler's own warm-up it records ``--steps`` steps (5 unless given; ``--rounds`` does not apply) under
 ``torch.profiler`` (CPU, and CUDA on a GPU; every thread where torch can, so that gloo's thread, which runs late
@@ -63,6 +69,10 @@ from bench.common import (OUT_DIR, append_results, environment, format_table, pr
 from bench.ddp_models import Workload, make_workload  # noqa: E402
 from bench.ddp_profile import BACKWARD_RANGE, FORWARD_RANGE, analyse_trace, bucket_table, step_table  # noqa: E402
 from bench.ddp_trace import range_hooks, record_trace, safe_name  # noqa: E402
+from bench import timeline  # noqa: E402
+from ddp_triton.machine import cost_model as cm  # noqa: E402
+from ddp_triton.runtime.algo_groups import scoped_env  # noqa: E402
+from ddp_triton.runtime.chunks import CHUNK_BYTES_ENV  # noqa: E402
 from ddp_triton.tune.processes import leave_process_group  # noqa: E402
 
 #: max_norm of the clipping variants: a value the model's gradients exceed, so that every step scales them.
@@ -139,6 +149,12 @@ def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], 
         ddp_triton.register(ddp, comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32, hierarchical=True)
     elif variant == "triton_hook_fp8_2level":  # reduced in the node in float32, FP8 + error feedback between nodes
         ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+    elif variant == "triton_hook_fp8_2level_whole":  # the same, each bucket in one piece (no chunks)
+        with scoped_env({CHUNK_BYTES_ENV: "0"}):
+            ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+    elif variant == "triton_hook_fp8_whole":  # flat FP8 + error feedback, each bucket in one piece
+        with scoped_env({CHUNK_BYTES_ENV: "0"}):
+            ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn)
     elif variant == "triton_hook_auto":  # each bucket in the format a profile chose for its size
         if FORMAT_PROFILE is None:
             raise ValueError("triton_hook_auto needs --format-profile FILE (a profile that chooses wire formats)")
@@ -298,10 +314,11 @@ def take_turns(timers: Sequence[Tuple[str, Callable[[int, int], List[float]]]], 
 
 def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],
                   backend: str, notes: List[str]) -> List[Dict[str, Any]]:
-    """Median step time per variant and bucket view, the variants taking turns in rounds."""
+    """Median step time per variant and bucket view, the variants taking turns in rounds; with ``--timeline``, then
+    one recorded step of each triton variant (``bench/timeline.py``)."""
     rows: List[Dict[str, Any]] = []
     for gabv in views:
-        timers = []
+        timers, models = [], []
         for variant in variants_to_run(args.variants, backend, notes, device, work.env["model"]):
             if variant in GRAPH_VARIANTS:
                 replay = captured_step(work.model, work.loss, device, gabv, GRAPH_VARIANTS[variant])
@@ -310,11 +327,18 @@ def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device
                 ddp = make_ddp(work.model, device, gabv)
                 clip = register(ddp, variant, notes)
                 timer = functools.partial(time_steps, ddp, work.loss, device=device, clip=clip)
+                models.append((variant, ddp, clip))
             timers.append((variant, timer))
-        rows += [{"variant": r["variant"], "gradient_as_bucket_view": gabv, **r}
-                 for r in take_turns(timers, args.rounds, args.steps, args.warmup, 2, args.link_iface,
-                                     f"bucket view {'on' if gabv else 'off'}, ")]
-        del timers
+        view_rows = [{"variant": r["variant"], "gradient_as_bucket_view": gabv, **r}
+                     for r in take_turns(timers, args.rounds, args.steps, args.warmup, 2, args.link_iface,
+                                         f"bucket view {'on' if gabv else 'off'}, ")]
+        if args.timeline:
+            for variant, ddp, clip in models:
+                summary = record_timeline(variant, ddp, clip, work, args)
+                if summary is not None:
+                    next(r for r in view_rows if r["variant"] == variant).update(summary)
+        rows += view_rows
+        del timers, models
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -323,6 +347,41 @@ def run_benchmark(args: argparse.Namespace, work: Workload, device: torch.device
         base_ms = baseline.get(r["gradient_as_bucket_view"])
         r["vs_no_hook"] = r["median_ms"] / base_ms if base_ms else None
     return rows
+
+
+def record_timeline(variant: str, ddp: DDP, clip: Optional[Callable[[], None]], work: Workload,
+                    args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """One step of ``variant`` with its exchange recorded (``bench/timeline.py``); rank 0 saves the JSON and plot.
+    The exposed exchange and its ratio to the last bucket's link-byte time, or None for a variant without our
+    state."""
+    state = next((entry[1] for entry in getattr(ddp, "_comm_hooks", ()) if isinstance(entry[1], ddp_triton.CommState)),
+                 None)
+    if state is None:
+        return None
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+    def after() -> None:
+        if clip is not None:
+            clip()
+        opt.step()
+
+    dist.barrier()
+    recorded = timeline.record_step(state, opt.zero_grad, lambda: work.loss(ddp), after)
+    last = [h for h in recorded["hooks"] if h["last"]]
+    node_bytes = last_bucket_node_bytes(state, last[-1]["elements"]) if last else None
+    recorded["summary"] = timeline.summarize(recorded, node_bytes, args.link_mbit)
+    if dist.get_rank() == 0:
+        timeline.save(variant, recorded, Path(args.out_dir) if args.out_dir is not None else None)
+    return {f"timeline_{k}": v for k, v in recorded["summary"].items()}
+
+
+def last_bucket_node_bytes(state: Any, elements: int) -> Optional[int]:
+    """Bytes one node sends through its link for a two-level bucket of ``elements`` float32 gradients in
+    ``state``'s format (its ranks' cross exchanges); None for a flat format."""
+    ctx = state.context
+    if ctx is None or ctx.nodes is None:
+        return None
+    return cm.two_level_node_bytes(elements, state.wire.flat().name, ctx.nodes.local_size, ctx.nodes.n_nodes)
 
 
 def run_profiles(args: argparse.Namespace, work: Workload, device: torch.device, views: Sequence[bool],
@@ -408,6 +467,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="also count the bytes this node's interface sends and receives per step (its kernel counters, "
                         "read by each node's local rank 0 around each variant's steps after the first round; eth0 "
                         "under bench.cluster)")
+    p.add_argument("--timeline", action="store_true",
+                   help="after the timed steps, record one step of each triton variant: when each bucket's stages "
+                        "and chunks were issued and completed on rank 0, and the exchange exposed after the "
+                        "backward's last operation (bench/timeline.py: JSON and PNG under --out-dir)")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="the node link's rate in Mbit/s (the cluster's --link), to put the exposed exchange beside "
+                        "the last bucket's link-byte time in --timeline's summary")
     p.add_argument("--format-profile", default=None, metavar="FILE",
                    help="the profile variant triton_hook_auto follows (one that chooses wire formats: ddp-triton "
                         "autotune --formats, or bench.format_timing --profile-out)")
@@ -464,10 +530,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             headers = ["variant", "bucket view", "median ms", "min ms", "x no hook (same view)"]
             if args.link_iface:
                 headers += ["node link MB sent per step", "node link MB received per step"]
+            if args.timeline:
+                headers += ["exposed ms (timeline step)", "x last bucket's link-byte time"]
             table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
                                             r["vs_no_hook"]]
                                            + ([r["node_link_tx_bytes_per_step"] / 1e6,
                                                r["node_link_rx_bytes_per_step"] / 1e6] if args.link_iface else [])
+                                           + ([r.get("timeline_exposed_ms"), r.get("timeline_exposed_over_link")]
+                                              if args.timeline else [])
                                            for r in rows])
             path = save_json(work.stem, {"env": env, "rows": rows, "notes": notes}, args.out_dir)
             print(f"{env}\n\n{table}\n\nsaved {path}")
