@@ -367,15 +367,13 @@ def record_timeline(variant: str, ddp: DDP, clip: Optional[Callable[[], None]], 
 
     dist.barrier()
     recorded = timeline.record_step(state, opt.zero_grad, lambda: work.loss(ddp), after)
-    last = [h for h in recorded["hooks"] if h["last"]]
-    node_bytes = last_bucket_node_bytes(state, last[-1]["elements"]) if last else None
-    recorded["summary"] = timeline.summarize(recorded, node_bytes, args.link_mbit)
+    recorded["summary"] = timeline.summarize(recorded, functools.partial(node_link_bytes, state), args.link_mbit)
     if dist.get_rank() == 0:
         timeline.save(variant, recorded, Path(args.out_dir) if args.out_dir is not None else None)
     return {f"timeline_{k}": v for k, v in recorded["summary"].items()}
 
 
-def last_bucket_node_bytes(state: Any, elements: int) -> Optional[int]:
+def node_link_bytes(state: Any, elements: int) -> Optional[int]:
     """Bytes one node sends through its link for a two-level bucket of ``elements`` float32 gradients in
     ``state``'s format (its ranks' cross exchanges); None for a flat format."""
     ctx = state.context
@@ -531,13 +529,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.link_iface:
                 headers += ["node link MB sent per step", "node link MB received per step"]
             if args.timeline:
-                headers += ["exposed ms (timeline step)", "x last bucket's link-byte time"]
+                headers += ["exposed ms (timeline step)", "x last bucket's link-byte time",
+                            "x link-byte time still to cross"]
             table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
                                             r["vs_no_hook"]]
                                            + ([r["node_link_tx_bytes_per_step"] / 1e6,
                                                r["node_link_rx_bytes_per_step"] / 1e6] if args.link_iface else [])
-                                           + ([r.get("timeline_exposed_ms"), r.get("timeline_exposed_over_link")]
-                                              if args.timeline else [])
+                                           + ([r.get("timeline_exposed_ms"), r.get("timeline_exposed_over_link"),
+                                               r.get("timeline_exposed_over_pending_link")] if args.timeline else [])
                                            for r in rows])
             path = save_json(work.stem, {"env": env, "rows": rows, "notes": notes}, args.out_dir)
             print(f"{env}\n\n{table}\n\nsaved {path}")

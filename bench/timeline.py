@@ -10,7 +10,8 @@ wrapped for that step only (bench code: the runtime has no recording of its own)
 microseconds per stage for the clock. The exposed exchange is the time from the backward's last bucket reaching the
 hook (its last gradient computed: the backward's last operation done) to the backward's return; beside it the
 link-byte time of that bucket's cross-node exchange, its bytes through one node's link (``cost_model``'s
-``two_level_node_bytes``, or the flat ring's) at ``--link-mbit``.
+``two_level_node_bytes``) at ``--link-mbit``, and the link-byte time of every chunk still to cross when the last
+bucket reached the hook (the earlier buckets' too, where the backward was shorter than their time on the link).
 
 The plot: one row per bucket and stage (the node sum, each collective between nodes, the gather; the flat formats'
 collectives), a bar from each chunk's issue to its completion (chunks in alternating shades, numbered), thin bars
@@ -131,19 +132,36 @@ def record_step(state: Any, zero_grad: Callable[[], None], forward: Callable[[],
             "backward_start": start, "backward_end": end}
 
 
-def summarize(recorded: Dict[str, Any], node_bytes: Optional[int], link_mbit: Optional[float]) -> Dict[str, Any]:
-    """The exposed exchange (backward end minus the last bucket's hook call), and, given the last bucket's bytes
-    through a node's link and the link's rate, its link-byte time and the ratio."""
+def summarize(recorded: Dict[str, Any], node_bytes: Callable[[int], Optional[int]],
+              link_mbit: Optional[float]) -> Dict[str, Any]:
+    """The exposed exchange (backward end minus the last bucket's hook call); given each bucket's bytes through a
+    node's link (``node_bytes(elements)``) and the link's rate, the last bucket's link-byte time, and the link-byte
+    time of every chunk whose cross-node exchange was still to finish at the last hook call (a bucket's bytes shared
+    evenly by its chunks): the least a link of that rate could have left exposed."""
     last = [h for h in recorded["hooks"] if h["last"]]
-    out: Dict[str, Any] = {}
-    if last and "backward_end" in recorded:
-        out["exposed_ms"] = recorded["backward_end"] - last[-1]["ms"]
-        out["last_bucket_elements"] = last[-1]["elements"]
-    if node_bytes is not None and link_mbit:
-        out["last_bucket_node_bytes"] = node_bytes
-        out["last_bucket_link_ms"] = node_bytes * 8 / (link_mbit * 1e6) * 1e3
-        if "exposed_ms" in out:
-            out["exposed_over_link"] = out["exposed_ms"] / out["last_bucket_link_ms"]
+    if not last or "backward_end" not in recorded:
+        return {}
+    at = last[-1]["ms"]
+    out: Dict[str, Any] = {"exposed_ms": recorded["backward_end"] - at, "last_bucket_elements": last[-1]["elements"]}
+    if not link_mbit or node_bytes(last[-1]["elements"]) is None:
+        return out
+    per_ms = link_mbit * 1e6 / 8 / 1e3  # bytes a millisecond
+    out["last_bucket_link_ms"] = node_bytes(last[-1]["elements"]) / per_ms
+    out["exposed_over_link"] = out["exposed_ms"] / out["last_bucket_link_ms"]
+    crossed: Dict[Any, Dict[Any, float]] = {}
+    for e in recorded["events"]:
+        if e["kind"] == "collective" and e["row"].startswith("cross_"):
+            chunks = crossed.setdefault(e["bucket"], {})
+            chunks[e["chunk"]] = max(chunks.get(e["chunk"], 0.0), e["end"])
+    pending = 0.0
+    for h in recorded["hooks"]:
+        done = crossed.get(h["bucket"], {})
+        if done:
+            late = sum(1 for end in done.values() if end > at)
+            pending += node_bytes(h["elements"]) * late / len(done) / per_ms
+    out["pending_link_ms"] = pending
+    if pending:
+        out["exposed_over_pending_link"] = out["exposed_ms"] / pending
     return out
 
 
@@ -182,6 +200,9 @@ def plot(payload: Dict[str, Any], path: Path) -> Optional[str]:
         if "last_bucket_link_ms" in summary:
             title += (f", last bucket's link-byte time {summary['last_bucket_link_ms']:.0f} ms "
                       f"({summary['exposed_over_link']:.2f}x)")
+        if summary.get("pending_link_ms"):
+            title += (f", still to cross at the last hook {summary['pending_link_ms']:.0f} ms "
+                      f"({summary['exposed_over_pending_link']:.2f}x)")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("ms since the step began")
     ax.legend(fontsize=7, loc="lower right")
