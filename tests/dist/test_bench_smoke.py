@@ -102,6 +102,45 @@ def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
     assert "node link MB sent per step" in stdout
 
 
+def test_ddp_step_timeline_smoke(tmp_path):
+    """--timeline: one recorded step per triton variant, a JSON of its hook calls and stage events (and a PNG where
+    matplotlib is installed), and the exposed exchange in the row and the table."""
+    stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                        "--bucket-view", "off", "--variants", "no_hook,triton_hook_fp8,triton_hook_fp8_whole",
+                        "--timeline", "--link-mbit", "200"], tmp_path, saved_as="ddp_step-*.json")
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert "timeline_exposed_ms" not in rows["no_hook"]
+    for variant in ("triton_hook_fp8", "triton_hook_fp8_whole"):
+        assert rows[variant]["timeline_exposed_ms"] >= 0, rows[variant]
+        (saved,) = tmp_path.glob(f"timeline-{variant}-*.json")
+        recorded = json.loads(saved.read_text())
+        assert recorded["variant"] == variant and recorded["backward_end"] >= recorded["backward_start"]
+        assert [h["last"] for h in recorded["hooks"]][-1] is True
+        rows_seen = {e["row"] for e in recorded["events"]}
+        assert {"pack", "all_to_all", "all_gather", "unpack"} <= rows_seen, rows_seen  # FP8's stages, staged
+    assert "exposed ms (timeline step)" in stdout
+
+
+def test_timeline_summary_counts_the_chunks_still_to_cross():
+    """The exposed exchange, and the link-byte time of the chunks whose cross-node collectives ended after the last
+    bucket's hook: a bucket's bytes shared evenly by its chunks."""
+    timeline = _import_bench("timeline")
+    recorded = {
+        "hooks": [{"bucket": 0, "last": False, "ms": 10.0, "elements": 100},
+                  {"bucket": 1, "last": True, "ms": 50.0, "elements": 200}],
+        "events": [{"bucket": 0, "chunk": 0, "row": "cross_all_to_all", "kind": "collective", "start": 11, "end": 40},
+                   {"bucket": 0, "chunk": 1, "row": "cross_all_gather", "kind": "collective", "start": 41, "end": 70},
+                   {"bucket": 1, "chunk": 0, "row": "cross_all_to_all", "kind": "collective", "start": 71, "end": 90},
+                   {"bucket": 1, "chunk": 0, "row": "all_gather", "kind": "collective", "start": 91, "end": 95}],
+        "backward_end": 100.0}
+    # 1 Mbit/s: 125 bytes a millisecond; a bucket of n elements sends 125 * n / 100 bytes (n ms at that rate)
+    summary = timeline.summarize(recorded, lambda n: 125 * n // 100, 1.0)
+    assert summary["exposed_ms"] == 50.0 and summary["last_bucket_link_ms"] == 2.0
+    assert summary["pending_link_ms"] == 1.0 * 1 / 2 + 2.0  # bucket 0's second chunk, all of bucket 1
+    assert summary["exposed_over_pending_link"] == 50.0 / 2.5
+    assert timeline.summarize(recorded, lambda n: None, 1.0) == {"exposed_ms": 50.0, "last_bucket_elements": 200}
+
+
 def test_variants_take_turns_and_link_bytes_are_counted_per_step(monkeypatch):
     """The rounds of bench.ddp_step and bench.fsdp_step, in this process on a fake link: each variant's timer runs
     once a round with the steps spread over the rounds, the first round's warm-up longer, and the link's bytes are
