@@ -5,7 +5,10 @@
 
 What it records: DDP at world size 1 on gloo (CPU tensors), one Linear layer, so one bucket; after two steps
 (DDP rebuilds its buckets after the first, the hook binds its plan at the next), a third step's backward runs under
-``sys.setprofile`` and ``threading.setprofile`` (gloo completes futures on its own thread). Each Python call whose
+``sys.setprofile``. gloo completes a collective's future on a thread of its own, started before the profile
+function was set, which it does not see; where the work is done by the time the hook attaches its callback, the
+callback runs inline and is seen. So it records ten backwards and prints each distinct walk, the most calls
+first, with how many backwards took it (every fourth pass the hook also drops plans gone stale). Each Python call whose
 code lies in ``ddp_triton/`` or ``kernels/`` is a project call, listed in call order with its depth below the
 first. That is the path someone changing the code has to read; docs/architecture.md shows it.
 """
@@ -32,13 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = (str(ROOT / "ddp_triton") + "/", str(ROOT / "kernels") + "/")
 
 
-def record_walk(wire: str, width: int = 256) -> List[Tuple[int, str, str]]:
-    """(depth, module path relative to the checkout, function) of each project call in one step's backward."""
+def record_walk(wire: str, width: int = 256, tries: int = 10) -> List[List[Tuple[int, str, str]]]:
+    """Each of ``tries`` backwards' walk: (depth, module path relative to the checkout, function) of each project
+    call, in order (see the module docstring)."""
     model = torch.nn.parallel.DistributedDataParallel(nn.Linear(width, width))
     ddp_triton.register(model, profile=None, **WireFormat.parse(wire).options())
     x = torch.randn(8, width)
     for _ in range(2):
         model(x).sum().backward()
+    return [_one_backward(model(x).sum()) for _ in range(tries)]
+
+
+def _one_backward(loss: torch.Tensor) -> List[Tuple[int, str, str]]:
     calls: List[Tuple[int, str, str]] = []
     depth = {"value": 0}
     lock = threading.Lock()
@@ -54,7 +62,6 @@ def record_walk(wire: str, width: int = 256) -> List[Tuple[int, str, str]]:
             elif event == "return":
                 depth["value"] -= 1
 
-    loss = model(x).sum()
     threading.setprofile(profiler)
     sys.setprofile(profiler)
     try:
@@ -70,11 +77,17 @@ def main(argv=None) -> int:
     parser.add_argument("--wire", default="bf16", help="the wire format's name (default bf16; e.g. fp8e4m3+ef)")
     args = parser.parse_args(argv)
     with one_rank_gloo():
-        calls = record_walk(args.wire)
-    for depth, module, function in calls:
-        print(f"{'  ' * depth}{module}: {function}")
-    modules = sorted({module for _, module, _ in calls})
-    print(f"\n{len(calls)} project calls in {len(modules)} modules: {', '.join(modules)}")
+        walks = record_walk(args.wire)
+    distinct = {}
+    for walk in walks:
+        distinct.setdefault(tuple(walk), 0)
+        distinct[tuple(walk)] += 1
+    for walk, count in sorted(distinct.items(), key=lambda item: -len(item[0])):
+        modules = sorted({module for _, module, _ in walk})
+        print(f"{count} of {len(walks)} backwards:")
+        for depth, module, function in walk:
+            print(f"{'  ' * depth}{module}: {function}")
+        print(f"{len(walk)} project calls in {len(modules)} modules: {', '.join(modules)}\n")
     return 0
 
 

@@ -498,3 +498,21 @@ def test_json_text_puts_flat_lists_on_one_line_and_reads_back():
     assert '  "a, b",' in lines  # a string with a comma is never split: its list keeps a line per item
     assert '  [1, 2],' in lines and ' "flags": [true, null]' in lines
 
+
+
+def test_walk_of_the_plain_bucket_stays_a_short_straight_line():
+    """bench.walk of the default bf16 bucket: at most 8 project calls in at most 3 modules (the hook, the plan, the
+    kernel's pass), besides the hook's dropping of stale plans every fourth pass (state.py). A completion that ran on
+    gloo's thread is not in a walk (bench.walk's docstring), so a walk may end at the pack."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-m", "bench.walk"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    walks = re.findall(r"(\d+) of (\d+) backwards:\n(.*?)\n\d+ project calls in", out.stdout, re.S)
+    assert sum(int(count) for count, _, _ in walks) == 10, out.stdout
+    for _, _, lines in walks:
+        calls = [tuple(line.strip().split(": ", 1)) for line in lines.splitlines()]
+        on_path = [(module, function) for module, function in calls if "drop_stale_plans" not in function]
+        assert [function for _, function in on_path[:2]] == ["triton_hook", "Plan.run"], out.stdout
+        assert len(on_path) <= 8 and len({module for module, _ in on_path}) <= 3, out.stdout
+        assert {module for module, _ in calls} - {module for module, _ in on_path} <= {"ddp_triton/runtime/state.py"}
