@@ -218,7 +218,10 @@ class ExchangeQueue:
         def finish(_: torch.futures.Future) -> None:
             try:
                 for future in futures:
-                    future.value()  # the first failed chunk's error
+                    # wait(), not value(): on CUDA it also orders this stream after each chunk's writes (each chunk
+                    # finished on a stream of its own), so the bucket is whole before DDP reads it; raises the
+                    # first failed chunk's error
+                    future.wait()
                 exchange.finish()
                 result.set(exchange.buffer)
             except BaseException as exc:  # noqa: BLE001

@@ -153,7 +153,7 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context) -> Plan:
         if ctx.nodes is None:
             raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
         chunks = chunk_count(buffer.numel(), buffer.element_size(), wire, ctx.nodes.local_size, ctx.nodes.n_nodes,
-                             buffer.is_cuda, ctx.chunk_bytes)
+                             buffer.is_cuda, ctx.chunk_bytes, ctx.nodes.reduce_scatter)
         exchange, residuals, pass_bytes = two_level_exchange(buffer, ids, sizes, wire, ctx.nodes, ctx.group, pre,
                                                              post, stats, ctx.residuals, chunks)
         record = BucketRecord(index, wire.name, pass_bytes, _collectives(exchange))

@@ -8,6 +8,7 @@ from ddp_triton import kernels
 from ddp_triton.runtime.chunks import (CHUNK_BYTES_ENV, boundaries, chunk_bytes_setting, chunk_count, cuts,
                                        element_boundaries, pieces_within)
 from ddp_triton.formats import WireFormat
+from ddp_triton.machine import cost_model as cm
 
 
 def _blocks(sizes, start, end):
@@ -59,3 +60,20 @@ def test_the_setting():
     assert chunk_count(1 << 20, 4, fp8, 2, 2, True, None) == 1  # CUDA: no in-node rate known here
     assert chunk_count(1 << 18, 4, fp8, 2, 2, False, None) == 1  # 1 MiB: under the floor
     assert chunk_count(25 << 18, 4, fp8, 2, 2, False, None) > 1
+
+
+def test_the_cost_models_chunks_only_where_the_sums_do_not_depend_on_an_elements_place():
+    """gloo's (and NCCL's) all-reduce adds an element's ranks in an order that depends on its place in the buffer,
+    which chunks change: over 3 or more ranks the bits would differ from whole buckets', so the default keeps whole
+    buckets there. A reduce-scatter, a sum of two values and the sharded formats' float32 sums in rank order do not
+    depend on it. The setting, which the user names, still cuts."""
+    big = 25 << 18  # 25 MiB of float32: chunked where chunks are bit-identical
+    bf16, fp8 = WireFormat.parse("two-level bf16"), WireFormat.parse("two-level fp8e4m3+ef")
+    assert chunk_count(big, 4, bf16, 2, 2, False, None) > 1  # 2 nodes: the cross all-reduce adds two values
+    assert chunk_count(big, 4, bf16, 2, 3, False, None) == 1  # 3 nodes: a cross all-reduce of three
+    assert chunk_count(big, 4, fp8, 2, 3, False, None) > 1  # FP8 between nodes: all-to-all, sums in rank order
+    assert chunk_count(big, 4, fp8, 3, 2, False, None, node_reduce_scatter=True) > 1
+    assert chunk_count(big, 4, fp8, 3, 2, False, None, node_reduce_scatter=False) == 1  # a node all-reduce of three
+    assert chunk_count(big, 4, bf16, 2, 3, False, 1 << 20) == 25  # the setting
+    assert chunk_count(big, 4, bf16, 2, 2, False, 1024) == cm.MAX_CHUNKS  # a tiny setting: no 25,600 chunks
+    assert chunk_count(big, 4, WireFormat.parse("fp8e4m3+ef"), 1, 4, False, None) > 1  # flat FP8
