@@ -174,7 +174,8 @@ def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
         cross_stages = [stage._replace(compute_phase="cross_" + stage.compute_phase,
                                        collective_phase="cross_" + stage.collective_phase) for stage in cross.stages]
         cross_finish, cross_held, cross_bytes = cross.finish, cross.held, cross.collective_bytes()[0]
-    cross_stages[0] = cross_stages[0]._replace(compute=_in_turn(take_part, cross_stages[0].compute))
+    cross_stages[0] = cross_stages[0]._replace(compute=_in_order(
+        [call for call in (take_part, cross_stages[0].compute) if call is not _nothing]))
     gather = Stage("cross_unpack", cross_finish, "all_gather",
                    lambda: all_gather_into(send, shard, group=gather_group, async_op=True), gather_group)
     return StagedExchange(buffer, [first, *cross_stages, gather], unpack, ()), tuple(cross_held), cross_bytes
@@ -190,18 +191,6 @@ def _in_order(calls: List[Callable[[], None]]) -> Callable[[], None]:
             call()
 
     return run
-
-
-def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
-    """``first`` then ``then``, as one call (``then`` alone where ``first`` does nothing)."""
-    if first is _nothing:
-        return then
-
-    def both() -> None:
-        first()
-        then()
-
-    return both
 
 
 def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, post_scale: float
