@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..formats import WireFormat, average_factors
+from ..formats import WireFormat, average_factors, sorted_by_preference
 from ..log import warn_once
 from ..machine.profile import AUTO_FORMAT
 from .algo_groups import fail_together, select_group
 from .chunks import agreed_chunk_bytes
 from .exchange import ExchangeQueue
 from .nodes import NodeGroups, bind_node_groups
+from .online import DEFAULT_ONLINE_FORMATS
 from .profile_choice import bind_profile
 from .residuals import ResidualStore
 
@@ -67,9 +68,13 @@ class Context:
         return self.formats is not None and any(
             (w.sharded and not w.one_all_reduce(self.world_size)) or w.two_level for w in self.formats.values())
 
-    def wire_for(self, numel: int) -> Tuple[WireFormat, float, float]:
-        """The wire format of a bucket of ``numel`` elements, and the factors around its sum (``average_factors``)."""
-        wire = self.wire if self.formats is None else self.formats[self.profile.format_for(numel * 4)]
+    def wire_for(self, numel: int, name: Optional[str] = None) -> Tuple[WireFormat, float, float]:
+        """The wire format of a bucket of ``numel`` elements (``name``: the one online tuning gives it), and the
+        factors around its sum (``average_factors``). A profile's choice that online tuning does not admit, or
+        none: ``wire``."""
+        if name is None and self.formats is not None and self.profile is not None:
+            name = self.profile.format_for(numel * 4)
+        wire = self.wire if self.formats is None or name is None else self.formats.get(name, self.wire)
         return (wire, *average_factors(self.world_size, wire.comm_dtype))
 
     def group_for(self, nbytes: int) -> Tuple[Any, Optional[str]]:
@@ -80,9 +85,11 @@ class Context:
 
 
 def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat, device: Optional[torch.device],
-                 queue: ExchangeQueue, residuals: ResidualStore, grad_stats: bool) -> Context:
+                 queue: ExchangeQueue, residuals: ResidualStore, grad_stats: bool,
+                 online: Optional[List[str]] = None) -> Context:
     """Bind a state's settings to ``group`` (collective: every rank at the same point). ``profile`` is the argument
-    as given, ``comm_dtype`` the setting (a dtype or "auto"), ``wire`` the settings' format."""
+    as given, ``comm_dtype`` the setting (a dtype or "auto"), ``wire`` the settings' format; ``online``: with
+    ``tune="online"``, the formats the user admitted ([]: the profile's admitted set, else the defaults)."""
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
     world_size = dist.get_world_size(group)
@@ -93,9 +100,15 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
                   f"the residuals loaded into this state are rank {loaded[0]} of {loaded[1]}'s; it binds as rank "
                   f"{here[0]} of {here[1]}: load each rank's own file", group)
     wire_setting = AUTO_FORMAT if comm_dtype == AUTO_FORMAT else wire.name
+    if online is not None:  # the ranks must admit the same formats: compared with the setting
+        wire_setting += " tune=online " + ",".join(online)
     active, algorithm_groups = bind_profile(profile, group=group, world_size=world_size, comm_dtype=comm_dtype,
                                             backend=backend, wire_format=wire_setting, device=device)
-    formats = formats_of(active) if comm_dtype == AUTO_FORMAT else None  # the ranks agreed on the profile above
+    if online is not None:  # before tuning, a bucket the profile does not place goes in the most accurate format
+        formats = {name: WireFormat.parse(name) for name in sorted_by_preference(online_formats(online, active))}
+        wire = next(iter(formats.values()))
+    else:
+        formats = formats_of(active) if comm_dtype == AUTO_FORMAT else None  # the ranks agreed on the profile
     nodes = None
     two_level = [w for w in (formats or {wire.name: wire}).values() if w.two_level]
     if two_level:
@@ -107,6 +120,15 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
             formats = None if formats is None else {name: w.flat() for name, w in formats.items()}
     return Context(group, world_size, backend, wire, formats, active, algorithm_groups, nodes, queue, residuals,
                    grad_stats, agreed_chunk_bytes(group))
+
+
+def online_formats(given: List[str], profile: Any) -> List[str]:
+    """The formats online tuning chooses among: the user's, else the profile's admitted set, else the defaults."""
+    if given:
+        return given
+    if profile is not None and profile.formats is not None:
+        return list(profile.formats.admitted)
+    return list(DEFAULT_ONLINE_FORMATS)
 
 
 def formats_of(profile: Any) -> Optional[Dict[str, WireFormat]]:

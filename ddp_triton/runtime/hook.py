@@ -46,6 +46,9 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     if not isinstance(state, CommState):
         state = default_state(state)
     buffer = bucket.buffer()
+    tuner = state.tuner
+    if tuner is not None:  # online tuning: at a pass's first bucket, its schedule may switch formats
+        tuner.before_bucket(state, bucket, buffer)
     plan = state.plans.get(id(buffer))
     if plan is None or (plan.residuals is not None and not plan.residuals.alive):
         plan = state.plan_for(buffer, bucket)  # new, or its residuals moved to another layout: bind (again)
@@ -59,11 +62,11 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
         note_bucket(plan, last, state.latest_pass)  # which gradients the pass's statistics cover (grad_stats.py)
     # A profiler recording (torch's Python flag, or this thread's state) or state.timing: ranges and timing marks
     # around the bucket's phases (telemetry.py); otherwise the plain path, with no call to decide it.
+    watch = None
     if state.timing or getattr(_profiler, "_is_profiler_enabled", False) or torch.autograd._profiler_enabled():
         watch = watch_bucket(state.timing, plan)
-        if watch is not None:
-            return plan.run_watched(last, watch)
-    return plan.run(last)
+    sent = plan.run(last) if watch is None else plan.run_watched(last, watch)
+    return sent if tuner is None else tuner.watch(sent, bucket.index(), last)
 
 
 def average_grad(state: Any, grad: torch.Tensor) -> Any:

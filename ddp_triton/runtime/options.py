@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..formats import WireFormat
 from ..machine.profile import AUTO_FORMAT
+from .online import check_tune_options
 from .profile_choice import check_profile_spec
 
 ProfileSpec = Union[None, str, "os.PathLike[str]", Any]  # "auto", a path, a Profile, or None
@@ -29,9 +30,13 @@ def check(options: Dict[str, Any], defaults: Dict[str, Any]) -> WireFormat:
     wire = settings_wire(given["comm_dtype"], given["accumulate_dtype"], given["error_feedback"],
                          given["hierarchical"])
     check_profile_spec(given["profile"])
-    if given["comm_dtype"] == AUTO_FORMAT and given["profile"] is None:
+    check_tune_options(given["tune"], given["formats"])
+    if given["tune"] is not None and given["comm_dtype"] != AUTO_FORMAT:
+        raise ValueError(f"tune={given['tune']!r} chooses each bucket's wire format: pass comm_dtype='auto' with it "
+                         f"(got comm_dtype={given['comm_dtype']!r})")
+    if given["comm_dtype"] == AUTO_FORMAT and given["profile"] is None and given["tune"] is None:
         raise ValueError("comm_dtype='auto' takes each bucket's wire format from a tuned profile: pass "
-                         "profile='auto' (this machine's cached one) or a profile's path, not None")
+                         "profile='auto' (this machine's cached one) or a profile's path, not None, or tune='online'")
     for flag in ("grad_stats", "timing"):
         if not isinstance(given[flag], bool):
             raise ValueError(f"{flag} must be True or False, got {given[flag]!r}")

@@ -125,8 +125,9 @@ def refuse_during_capture(buffer: torch.Tensor) -> None:
                            "outside the graph, DDP's rebuilt buckets included")
 
 
-def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context) -> Plan:
-    """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and its parameters).
+def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context, format_name: Optional[str] = None) -> Plan:
+    """Decide and bind ``buffer``'s path (``bucket``: DDP's GradBucket, for its index and its parameters;
+    ``format_name``: the format online tuning gives it, else the context's for its size).
 
     Collective for FP8 with error feedback when its residuals move from an earlier layout, and for a bucket of
     mixed formats that folds in what error feedback still owes its parameters: the caller issues it in the
@@ -137,7 +138,7 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context) -> Plan:
     if buffer.dtype not in kernels.SUPPORTED_DTYPES:
         raise TypeError(f"triton_hook got a bucket of dtype {buffer.dtype}; supported are float32, bfloat16 and "
                         "float16")
-    wire, pre, post = ctx.wire_for(buffer.numel())
+    wire, pre, post = ctx.wire_for(buffer.numel(), format_name)
     stats = new_stats(buffer) if ctx.grad_stats else None
     index = bucket.index() if bucket is not None else None
     # The parameters, listed once per bucket at binding, where FP8's blocks or the statistics need them.

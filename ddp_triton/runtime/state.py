@@ -1,7 +1,7 @@
 """CommState: what triton_hook keeps across steps, built once per DDP model: the user's options and what they bound.
 
-It pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its options alone, as torch's PowerSGDState
-does, and binds again at its first bucket: to the default group, or to the one set as ``process_group`` before it.
+It pickles (``torch.save`` of a whole DDP model, ``copy.deepcopy``) as its options alone (``pickled.py``), and binds
+again at its first bucket: to the default group, or to the one set as ``process_group`` before it.
 """
 
 from __future__ import annotations
@@ -12,20 +12,16 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..log import logger
 from ..machine.profile import AUTO_FORMAT
 from . import grad_stats as stats
 from .context import Context, bind_context
 from .exchange import ExchangeQueue
 from .options import ProfileSpec, check, settings_wire
+from .online import OnlineTuner, save_tuned_profile, tuned_choice
+from .pickled import pickled_options, restore_options
 from .plan import Plan, plan_bucket, refuse_during_capture
 from .residuals import ResidualStore
 from .telemetry import Summary, summarize
-
-# What a pickled CommState holds (``__getstate__``), in format 4; any other format is refused, not converted.
-_PICKLE_VERSION = 4
-_PICKLED = ("version", "comm_dtype", "profile", "on_default_group", "accumulate_dtype", "error_feedback",
-            "hierarchical", "grad_stats", "timing")
 
 # Plans unused for this many backward passes are dropped (old buckets after DDP's rebuild, join()'s shadow buckets).
 STALE_AFTER = 4
@@ -62,6 +58,10 @@ class CommState:
     ``ddp_triton.clip_grad_norm_`` (``grad_stats.py``)."""
     timing: bool = False
     """Time each bucket's pack, communication and unpack (``telemetry.py``; read back by ``summary()``)."""
+    tune: Optional[str] = None
+    """``"online"`` (with ``comm_dtype="auto"``): the job's first steps choose each bucket's format (``online.py``)."""
+    formats: Optional[List[str]] = None
+    """The formats online tuning chooses among; None: the profile's admitted set, else fp32, bf16, bf16+fp32sum."""
 
     context: Optional[Context] = field(init=False, repr=False)
     """What the state bound to (``context.py``); None until it binds."""
@@ -77,6 +77,8 @@ class CommState:
     """Whether the hook was called per parameter (compiled autograd's Python reducer): no statistics then."""
     needs_group: bool = field(init=False, repr=False)
     """Restored from a state saved on a group other than the default one: it must be given one before binding."""
+    tuner: Optional[OnlineTuner] = field(init=False, repr=False)
+    """With ``tune="online"``: what chooses each bucket's format (``online.py``)."""
 
     def __post_init__(self) -> None:
         check_options({name: getattr(self, name) for name in STATE_OPTIONS})
@@ -87,6 +89,7 @@ class CommState:
     def _reset(self, needs_group: bool) -> None:
         self.context, self.plans, self.residuals, self.queue = None, {}, ResidualStore(), ExchangeQueue()
         self.passes, self.per_parameter_calls, self.needs_group = 0, False, needs_group
+        self.tuner = OnlineTuner(self.formats) if self.tune else None  # the options were checked
 
     @property
     def bound(self) -> bool:
@@ -124,7 +127,9 @@ class CommState:
     def _bind(self) -> None:
         self.context = bind_context(self.averaging_group(), profile=self.profile, comm_dtype=self.comm_dtype,
                                     wire=self.wire, device=self.device, queue=self.queue, residuals=self.residuals,
-                                    grad_stats=self.grad_stats)
+                                    grad_stats=self.grad_stats, online=self.tuner and self.tuner.formats)
+        if self.tuner is not None:
+            self.tuner.admit(list(self.context.formats))
 
     def averaging_group(self) -> Any:
         """``process_group``, or the default group when it is None and the state was not saved on another group."""
@@ -136,24 +141,10 @@ class CommState:
         return dist.group.WORLD
 
     def __getstate__(self) -> Dict[str, Any]:
-        on_default = (not self.needs_group if self.process_group is None
-                      else dist.is_initialized() and self.process_group == dist.group.WORLD)
-        if self.residuals.layouts or self.residuals.pending_first:
-            logger.warning("triton_hook: a pickled CommState leaves its error-feedback residuals behind; save them "
-                           "with state.state_dict() on every rank")
-        return {**{name: getattr(self, name) for name in _PICKLED[1:] if name != "on_default_group"},
-                "version": _PICKLE_VERSION, "on_default_group": on_default}
+        return pickled_options(self)
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
-        version = saved.get("version") if isinstance(saved, dict) else None
-        if version != _PICKLE_VERSION or sorted(saved) != sorted(_PICKLED):
-            raise ValueError(f"a CommState pickled in format {version!r} by another ddp-triton; this one reads format "
-                             f"{_PICKLE_VERSION} only: make the state anew with ddp_triton.register(ddp_model, ...) "
-                             "(and load a saved model from its state_dict, not from a pickle)")
-        for name in set(_PICKLED) - {"version", "on_default_group"}:
-            setattr(self, name, saved[name])
-        self.process_group, self.device = None, None  # the first bucket's device is used
-        self._reset(needs_group=not saved["on_default_group"])
+        self._reset(needs_group=restore_options(self, saved))
 
     def plan_for(self, buffer: torch.Tensor, bucket: Any) -> Plan:
         """Bind ``buffer``'s Plan (new, or its residuals moved to another layout), off the per-step path."""
@@ -163,7 +154,8 @@ class CommState:
             if self.context is None:  # built before init_process_group, or restored
                 self.device = buffer.device if self.device is None and buffer.is_cuda else self.device
                 self._bind()
-            plan = self.plans[id(buffer)] = plan_bucket(buffer, bucket, self.context)
+            name = self.tuner and self.tuner.format_for(bucket)  # None: the context's format for its size
+            plan = self.plans[id(buffer)] = plan_bucket(buffer, bucket, self.context, name)
         return plan
 
     def drop_stale_plans(self) -> None:
@@ -214,12 +206,11 @@ class CommState:
         self.residuals.name_parameters(module)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The error-feedback residuals by parameter name (empty without error feedback). Collective; each rank's
-        dict holds its own first-stage residuals, so save one per rank. Unbound: what was loaded into it."""
-        if self.context is None:
-            return self.residuals.state_dict(None, {"wire_format": self.wire_setting})
+        """The error-feedback residuals by parameter name (empty without error feedback), and online tuning's
+        choice. Collective; each rank's dict holds its own first-stage residuals, so save one per rank."""
         with self.queue.ordered():
-            return self.residuals.state_dict(self.context.group, {"wire_format": self.wire_setting})
+            saved = self.residuals.state_dict(self.context and self.context.group, {"wire_format": self.wire_setting})
+        return saved if self.tuner is None else {**saved, "online": self.tuner.state()}
 
     def all_ranks_state_dict(self) -> Dict[str, Any]:
         """``state_dict`` with every rank's residuals, the same dict on every rank, for checkpoints that one rank
@@ -232,9 +223,20 @@ class CommState:
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on this rank, checking everything first (one ValueError naming the
         mismatch, nothing changed); an unbound state checks the rank and world size when it binds."""
-        group = self.context.group if self.context is not None else None
-        self.residuals.load_state_dict(saved, group, {"wire_format": self.wire_setting})
+        online = saved.get("online") if isinstance(saved, dict) and self.tuner is not None else None
+        tuned = None if online is None else self.tuner.check_saved(online)
+        self.residuals.load_state_dict(saved, self.context and self.context.group, {"wire_format": self.wire_setting})
+        if tuned is not None:
+            self.tuner.lock(tuned)  # a resumed job skips tuning
         self.plans.clear()  # the buckets bind again, re-slicing the residuals to their layout
+
+    def tuned_formats(self) -> Optional[Dict[int, Dict[str, Any]]]:
+        """Per bucket index: the format online tuning chose and the medians (ms) that chose it; None while tuning."""
+        return tuned_choice(self.tuner)
+
+    def save_profile(self, path: Any) -> Any:
+        """Write online tuning's choice as a profile that ``comm_dtype="auto"`` follows in the next run."""
+        return save_tuned_profile(self.tuner, self.context, path)
 
 
 #: The options a CommState takes, with their defaults: its fields that are constructor arguments.

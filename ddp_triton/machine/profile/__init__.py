@@ -3,7 +3,8 @@
 - `schema`: `Profile`, validated JSON (the schema is in its docstring), read and written as files; `ddp_kwargs`.
 - `rows`: the rows and ranges a profile holds (sweep rows, algorithm ranges, the wire format choice), validated.
 - `cache`: where profiles are cached, keyed by the hardware (`save_to_cache`, `find_cached_profile`).
-- `build`: the table and bucket size from sweep rows; a profile from rows or from the cost model; calibrations.
+- `build`: the table and bucket size from sweep rows; a profile from rows, from the cost model or from online
+  tuning's choice; calibrations.
 - `formats`: the wire format per bucket size among those allowed, and the substitutions (plain bf16, flat two-level).
 - `format_rule`: the rule that picks a format from timings (medians, confidence intervals; the accuracy order is
   ``ddp_triton.formats``').
@@ -11,7 +12,7 @@
 
 from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB, build_table, calibrate,
                     check_calibration_fits, choose_bucket_cap_mb, fallback_profile, model_profile, node_fingerprint,
-                    profile_from_rows, rows_for_dtype)
+                    profile_from_choice, profile_from_rows, rows_for_dtype)
 from .cache import cache_dir, cache_path, check_cache_writable, find_cached_profile, profile_fingerprint, save_to_cache
 from .format_rule import (CONFIDENCE, TimingStats, choose_format, decide_format, median_interval,
                           significantly_faster)
@@ -66,6 +67,7 @@ __all__ = [
     "node_fingerprint",
     "now_iso",
     "profile_fingerprint",
+    "profile_from_choice",
     "profile_from_rows",
     "rows_for_dtype",
     "save_to_cache",

@@ -12,7 +12,7 @@ from ...versions import software_versions
 from .. import cost_model as cm
 from ..cost_model import ALGORITHMS, Calibration
 from .cache import profile_fingerprint
-from .rows import SweepRow, TableEntry, size_ranges
+from .rows import FormatChoice, FormatRange, SweepRow, TableEntry, size_ranges
 from .schema import DEFAULT_MIN_BUCKETS, MiB, Profile, format_bytes
 
 #: Default fraction of the best busbw a bucket's all-reduce must reach: 90%.
@@ -255,3 +255,30 @@ def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str)
                    world_size=world_size, nodes=nodes, comm_dtype=comm_dtype, bucket_cap_mb=25.0,
                    bucket_reason="no topology to model: DDP's default 25 MiB", table=[TableEntry(0, None, "ring")],
                    versions=software_versions(), notes=["no topology: one range, ring"])
+
+
+def profile_from_choice(decided: Dict[int, Dict[str, Any]], formats: Sequence[str], base: Optional[Profile],
+                  world_size: int, nodes: int, backend: str) -> Profile:
+    """A profile whose format table is online tuning's choice (``decided``: per bucket index, its ``format`` and
+    ``elements``), by bucket size, for ``comm_dtype="auto"`` in the next run: ``base`` (the profile the job
+    followed) with that table, else a one-range ring profile. Of buckets of one size given different formats, the
+    first's holds."""
+    by_size = sorted((d["elements"] * 4, i, d["format"]) for i, d in decided.items())
+    table: List[FormatRange] = []
+    for grad_bytes, index, name in by_size:
+        if table and grad_bytes <= table[-1].max_bytes:
+            continue  # the same size as the bucket before, in another format: the first's holds
+        if table and table[-1].format == name:
+            table[-1] = FormatRange(table[-1].min_bytes, grad_bytes, name, table[-1].reason)
+            continue
+        if table:
+            cut = (table[-1].max_bytes + grad_bytes) // 2
+            table[-1] = FormatRange(table[-1].min_bytes, cut, table[-1].format, table[-1].reason)
+        table.append(FormatRange(table[-1].max_bytes + 1 if table else 0, grad_bytes, name,
+                                 f"chosen online for bucket {index}"))
+    table[-1] = FormatRange(table[-1].min_bytes, None, table[-1].format, table[-1].reason)
+    notes = [f"formats chosen online by the job's own steps over buckets {sorted(decided)}"]
+    choice = FormatChoice(source="measured", allowed=list(formats), admitted=list(formats), table=table,
+                          notes=notes)
+    profile = base if base is not None else fallback_profile(world_size, nodes, "bfloat16", backend)
+    return dataclasses.replace(profile, formats=choice, notes=[*profile.notes, *notes])

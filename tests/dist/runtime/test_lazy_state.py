@@ -45,7 +45,7 @@ def no_process_group():
 
 def test_built_before_the_process_group_holds_its_settings(no_process_group):
     state = CommState(comm_dtype=torch.float32, profile=None)
-    assert not state.bound and state.passes == 0 and state.plans == {}
+    assert state.context is None and state.passes == 0 and state.plans == {}
     assert state.comm_dtype == torch.float32 and state.process_group is None and state.context is None
     # pickles like a restored state: settings only, still unbound
     again = pickle.loads(pickle.dumps(state))
@@ -119,7 +119,7 @@ def _disagreement_worker(rank, world_size):
     # ... so every rank fails at the first bucket, where the state binds
     with pytest.raises(RuntimeError, match="ranks disagree on the tuning profile"):
         local_backward(ddp, x, y, rank, world_size)
-    assert not state.bound and state.passes == 0
+    assert state.context is None and state.passes == 0
 
 
 def test_ranks_disagreeing_on_a_lazy_profile_all_fail_at_the_first_bucket():
@@ -144,7 +144,7 @@ def _unreadable_on_one_rank_worker(rank, world_size, tmp, at):
         x, y = make_data(0)
         with pytest.raises(ProfileError, match=expected):
             local_backward(ddp, x, y, rank, world_size)
-    assert not state.bound and state.passes == 0
+    assert state.context is None and state.passes == 0
 
 
 @pytest.mark.parametrize("at", ["register", "first-bucket"])

@@ -1,0 +1,380 @@
+"""Online tuning: the job's own first steps choose each DDP bucket's wire format, and every rank chooses alike.
+
+With ``tune="online"`` a CommState tries the formats the user admitted, in lock-step on every rank, then keeps the
+fastest. The schedule is a function of the pass count (counted at each backward's last bucket), never of a clock:
+
+- Tuning starts at pass 1 (DDP rebuilds its buckets after pass 0), or where drift asked for it (below).
+- A trial is one assignment of formats to buckets: first each admitted format on every bucket, then, where the
+  buckets' fastest formats differ, the mix of them. Each trial runs ``WARM_PASSES`` passes that bind its plans,
+  then ``MEASURED_PASSES`` timed ones: the step (from the last bucket's completion to the next pass's) and each
+  bucket's exchange (the hook's call to its future's completion; CUDA events on a GPU).
+- At the first bucket of the pass after a timed one, the ranks' times go through one all-reduce (MAX), issued in
+  the state's one order, so every rank decides on the same numbers with no broadcast.
+- The choice is the trial whose step was fastest beyond the noise (``decide_format``: the most accurate format
+  stands unless another beats it beyond its interval). A mix wins only if its steps beat the best single format's:
+  a format whose exchange is faster but whose passes hold up the step loses. The choice is then locked.
+
+Steady state: every ``CHECK_EVERY`` passes the median step of the window goes through one all-reduce (MAX), which is
+read at the next check, so no rank waits on it. When the step strays more than ``DRIFT`` from the first window after
+the lock for ``DRIFT_CHECKS`` checks in a row, and ``RETUNE_SPACING`` passes have gone since tuning last ended,
+tuning starts again. A bucket leaving an FP8 format with error feedback hands its residuals to its next exchange
+(``residuals.take_for_fold``): nothing is lost at a switch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..formats import canonical_name, sorted_by_preference
+from ..log import info_rank0, warn_once
+from ..machine.profile import (Profile, TimingStats, decide_format, median_interval, profile_from_choice,
+                                significantly_faster)
+from .collective_errors import run_collective
+
+TUNE_ONLINE = "online"
+#: The formats admitted when the user names none and the profile admits none: no FP8 unless the user names it.
+DEFAULT_ONLINE_FORMATS: Tuple[str, ...] = ("fp32", "bf16", "bf16+fp32sum")
+WARM_PASSES = 1
+MEASURED_PASSES = 4
+CHECK_EVERY = 10
+DRIFT = 0.2
+DRIFT_CHECKS = 2
+RETUNE_SPACING = 50
+
+_SUBJECT = "the online tuner's timings"
+Mark = Union[float, "torch.cuda.Event"]
+Assignment = Union[str, Dict[int, str]]  # one format for every bucket, or one per bucket index
+
+
+def check_tune_options(tune: Any, formats: Any) -> Optional[List[str]]:
+    """The canonical names of ``formats`` for ``tune`` (None: not given), or a ValueError naming the option."""
+    if tune not in (None, TUNE_ONLINE):
+        raise ValueError(f"tune must be None or 'online', got {tune!r}")
+    if formats is None:
+        return None
+    if tune is None:
+        raise ValueError("formats lists the wire formats online tuning chooses among: pass tune='online' with it")
+    if isinstance(formats, str) or not isinstance(formats, (list, tuple)) or not formats:
+        raise ValueError(f"formats must be a non-empty list of wire format names, got {formats!r}")
+    names = []
+    for name in formats:
+        if not isinstance(name, str):
+            raise ValueError(f"formats must name wire formats as strings, got {name!r}")
+        names.append(canonical_name(name))  # ValueError naming an unknown format
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class _Trial:
+    assignment: Assignment
+    steps: List[float] = field(default_factory=list)
+    """Seconds per step, each the slowest rank's."""
+    exchanges: Dict[int, List[float]] = field(default_factory=dict)
+    """Per bucket index, seconds per exchange, each the slowest rank's."""
+
+    @property
+    def label(self) -> str:
+        return self.assignment if isinstance(self.assignment, str) else "mixed"
+
+
+class OnlineTuner:
+    """Chooses each bucket's format from the job's own steps (see the module docstring); one per CommState."""
+
+    def __init__(self, formats: Optional[Sequence[str]]) -> None:
+        self.formats: List[str] = []
+        """The admitted formats, most accurate first: the trials' order ([] until the state binds: ``admit``)."""
+        self.choice: Optional[Dict[int, str]] = None
+        """The locked format per bucket index; None while tuning (or before)."""
+        self.decided: Dict[int, Dict[str, Any]] = {}
+        """Per bucket index: its format, bytes and the medians that decided it (``CommState.tuned_formats``)."""
+        self.tunings = 0
+        self._start: Optional[int] = 1
+        """The pass the next (or current) tuning starts at; None once locked and no re-tune is due."""
+        self._trials: List[_Trial] = []
+        self._assignment: Optional[Assignment] = None
+        self._seen_pass = -1
+        self._cuda = False
+        self._bytes: Dict[int, int] = {}
+        """Per bucket index of the last complete pass, its elements."""
+        self._filling: Dict[int, int] = {}
+        self._starts: Dict[int, Mark] = {}
+        self._ends: Dict[int, Mark] = {}
+        self._last_end: Optional[Mark] = None
+        self._locked_at = 0
+        self._window: List[float] = []
+        self._pending: Optional[Tuple[Any, torch.Tensor]] = None
+        self._baseline: Optional[float] = None
+        self._drifted = 0
+        self._restored: Optional[Dict[int, int]] = None
+        if formats:
+            self.admit(formats)
+
+    def admit(self, formats: Sequence[str]) -> None:
+        """Set the formats to choose among (the user's, else the profile's admitted set, else the defaults)."""
+        names = sorted_by_preference(list(dict.fromkeys(canonical_name(f) for f in formats)))
+        _refuse_stray(self.decided, names)
+        self.formats = names
+
+    # ---- the hook's calls -------------------------------------------------------------------------------------
+
+    def format_for(self, bucket: Any) -> Optional[str]:
+        """The format DDP's ``bucket`` binds in now; None: the context's own choice (before tuning starts)."""
+        assignment = self.choice if self.choice is not None and self._start is None else self._assignment
+        if assignment is None or bucket is None:
+            return None
+        return assignment if isinstance(assignment, str) else assignment.get(bucket.index())
+
+    def before_bucket(self, state: Any, bucket: Any, buffer: torch.Tensor) -> None:
+        """At every bucket, before its plan is looked up: at a pass's first, take the last pass's times and move
+        the schedule on (which may drop every plan, so that the buckets bind in their next formats)."""
+        if state.passes != self._seen_pass:
+            self._seen_pass = state.passes
+            self._cuda = buffer.is_cuda
+            self._new_pass(state, state.passes)
+        index = bucket.index()
+        self._filling[index] = buffer.numel()
+        if self._start is not None and self._start <= state.passes:
+            self._starts[index] = self._mark()
+
+    def watch(self, future: torch.futures.Future, index: int, last: bool) -> torch.futures.Future:
+        """``future``, timed: its completion is marked before what DDP waits on completes (every bucket while
+        tuning, the last one otherwise)."""
+        if self._start is None and not last:
+            return future
+        ends = self._ends
+
+        def ended(done: torch.futures.Future) -> Any:
+            ends[index] = self._mark()
+            return done.value()  # a failed exchange fails what DDP waits on, as before
+
+        return future.then(ended)
+
+    # ---- the schedule -----------------------------------------------------------------------------------------
+
+    def _new_pass(self, state: Any, p: int) -> None:
+        ends, starts = self._ends, self._starts
+        self._ends, self._starts, self._bytes, self._filling = {}, {}, self._filling, {}
+        end = self._pass_end(ends)
+        steps = None if end is None or self._last_end is None else (self._last_end, end)
+        self._last_end = end if end is not None else self._last_end
+        if self._restored is not None:
+            self._check_restored(state, p)
+        if self._start is None or p < self._start:
+            if self.choice is not None:
+                self._steady(state, p, steps)
+            return
+        step = None if steps is None else self._seconds(*steps)
+        since = p - self._start
+        span = WARM_PASSES + MEASURED_PASSES
+        trial = (since - 1) // span
+        if since >= 1 and (since - 1) % span >= WARM_PASSES and trial < len(self._trials):
+            exchanges = {i: self._seconds(starts[i], ends[i]) for i in sorted(ends) if i in starts}
+            self._record(state, self._trials[trial], step, exchanges)
+        if since % span:
+            return
+        done = since // span
+        if done == 0:
+            self._trials = [_Trial(name) for name in self.formats]
+        elif done == len(self.formats):
+            mixed = self._mixed()
+            if mixed is not None:
+                self._trials.append(_Trial(mixed))
+        if done < len(self._trials):
+            self._switch(state, self._trials[done].assignment)
+        else:
+            self._decide(state, p)
+
+    def _record(self, state: Any, trial: _Trial, step: Optional[float], exchanges: Dict[int, float]) -> None:
+        """Combine one timed pass's times across ranks (MAX) and keep them with ``trial``."""
+        n = max(self._bytes) + 1 if self._bytes else 0
+        local = [step if step is not None else 0.0] + [exchanges.get(i, 0.0) for i in range(n)]
+        combined = self._all_reduce_max(state, local).tolist()
+        trial.steps.append(combined[0])
+        for i in range(n):
+            trial.exchanges.setdefault(i, []).append(combined[1 + i])
+
+    def _mixed(self) -> Optional[Dict[int, str]]:
+        """Each bucket's fastest format by its exchanges (beyond the noise); None when one format is every bucket's."""
+        per_bucket = {}
+        for i in sorted(self._bytes):
+            stats = {t.label: _stats(t.exchanges[i]) for t in self._trials if t.exchanges.get(i)}
+            if stats:
+                per_bucket[i] = decide_format(stats).format
+        return per_bucket if len(set(per_bucket.values())) > 1 else None
+
+    def _decide(self, state: Any, p: int) -> None:
+        uniform = {t.label: _stats(t.steps) for t in self._trials if isinstance(t.assignment, str) and t.steps}
+        best = decide_format(uniform)
+        chosen: Assignment = best.format
+        mixed = [t for t in self._trials if not isinstance(t.assignment, str) and t.steps]
+        if mixed and significantly_faster(_stats(mixed[0].steps), uniform[best.format]):
+            chosen = mixed[0].assignment
+        indices = sorted(self._bytes)
+        self.choice = {i: chosen if isinstance(chosen, str) else chosen[i] for i in indices}
+        steps_ms = {t.label: round(1e3 * statistics.median(t.steps), 3) for t in self._trials if t.steps}
+        self.decided = {i: {"format": self.choice[i], "elements": self._bytes[i], "step_ms": steps_ms,
+                            "exchange_ms": {t.label: round(1e3 * statistics.median(t.exchanges[i]), 3)
+                                            for t in self._trials if t.exchanges.get(i)}}
+                        for i in indices}
+        self.tunings += 1
+        self._start, self._locked_at, self._window, self._baseline, self._drifted = None, p, [], None, 0
+        self._pending = None
+        self._switch(state, chosen)
+        shown = chosen if isinstance(chosen, str) else ", ".join(f"bucket {i}: {f}" for i, f in self.choice.items())
+        info_rank0(f"ddp_triton online tuning #{self.tunings} at step {p}: {shown}; median step ms "
+                   + ", ".join(f"{k} {v}" for k, v in steps_ms.items()))
+
+    def _switch(self, state: Any, assignment: Assignment) -> None:
+        if assignment != self._assignment:
+            state.plans.clear()  # every bucket binds again at its next call, in its new format
+        self._assignment = assignment
+
+    def _steady(self, state: Any, p: int, steps: Optional[Tuple[Mark, Mark]]) -> None:
+        """After the lock: the window's median step, combined at each check, read at the next; drift re-tunes."""
+        if steps is not None:
+            self._window.append(steps)
+        if (p - self._locked_at) % CHECK_EVERY or p == self._locked_at:
+            return
+        if self._pending is not None:
+            work, value = self._pending
+            run_collective("all_reduce", _SUBJECT, work.wait)
+            self._judge(float(value.item()), p)  # issued a window ago: done, so no wait
+        # On a GPU only the steps whose events are done count: a rank's own median may differ, the MAX is agreed.
+        times = [self._seconds(a, b) for a, b in self._window if not self._cuda or b.query()]
+        median = statistics.median(times) if times else 0.0
+        self._window = []
+        if self._start is None:
+            self._pending = self._all_reduce_max(state, [median], wait=False)
+        else:
+            self._pending = None
+
+    def _judge(self, step: float, p: int) -> None:
+        if step <= 0.0:
+            return
+        if self._baseline is None:
+            self._baseline = step
+            return
+        self._drifted = self._drifted + 1 if abs(step / self._baseline - 1.0) > DRIFT else 0
+        if self._drifted >= DRIFT_CHECKS and p - self._locked_at >= RETUNE_SPACING:
+            info_rank0(f"ddp_triton online tuning: the step moved from {1e3 * self._baseline:.1f} ms to "
+                       f"{1e3 * step:.1f} ms; tuning again from step {p + 1}")
+            self._start, self._trials = p + 1, []
+
+    # ---- resume and profile -----------------------------------------------------------------------------------
+
+    def state(self) -> Optional[Dict[str, Any]]:
+        """What a checkpoint keeps: the locked choice and what decided it; None while tuning."""
+        if self.choice is None or self._start is not None:
+            return None
+        return {"formats": list(self.formats), "buckets": {str(i): dict(d) for i, d in self.decided.items()}}
+
+    def tuned(self) -> Optional[Dict[int, Dict[str, Any]]]:
+        """Per bucket index: the chosen format, its elements and the medians (ms) that decided it; None while
+        tuning."""
+        return None if self.choice is None or self._start is not None else {i: dict(d) for i, d in self.decided.items()}
+
+    def profile(self, ctx: Any) -> Profile:
+        """The choice as a profile (``profile_from_choice``) for the state's bound context."""
+        nodes = ctx.nodes.n_nodes if ctx.nodes is not None else _nodes_from_launcher(ctx.world_size)
+        return profile_from_choice(self.decided, self.formats, ctx.profile, ctx.world_size, nodes, ctx.backend)
+
+    def check_saved(self, saved: Any) -> Dict[int, Dict[str, Any]]:
+        """The per-bucket choice in ``saved`` (what ``state`` wrote), or a ValueError naming what is wrong."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("buckets"), dict) or not saved["buckets"]:
+            raise ValueError(f"the saved online tuning is not what state_dict() wrote: {saved!r:.200}")
+        decided = {}
+        for key, entry in saved["buckets"].items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("format"), str)
+                    and isinstance(entry.get("elements"), int) and str(key).isdigit()):
+                raise ValueError(f"the saved online tuning of bucket {key!r} names no format and elements")
+            decided[int(key)] = {**entry, "format": canonical_name(entry["format"])}
+        if self.formats:
+            _refuse_stray(decided, self.formats)
+        return decided
+
+    def lock(self, decided: Dict[int, Dict[str, Any]]) -> None:
+        """Lock a checkpoint's choice (``check_saved``); checked against the buckets at the next pass."""
+        self.decided = decided
+        self.choice = {i: d["format"] for i, d in self.decided.items()}
+        self._restored = {i: d["elements"] for i, d in self.decided.items()}
+        self._start, self._assignment, self._locked_at = None, dict(self.choice), max(self._seen_pass, 0)
+
+    def _check_restored(self, state: Any, p: int) -> None:
+        """A restored choice holds only for the buckets it was made on: others (DDP regrouped) tune again."""
+        if p < 2:  # DDP's buckets are final from pass 1 on
+            return
+        restored, self._restored = self._restored, None
+        if restored != self._bytes:
+            warn_once("ddp_triton online tuning: the checkpoint's choice was made on other DDP buckets "
+                      f"({len(restored or {})} of them); tuning again", all_ranks=True)
+            self.choice, self._start, self._trials = None, p, []
+
+    # ---- clocks and the one collective ------------------------------------------------------------------------
+
+    def _mark(self) -> Mark:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Mark, b: Mark) -> float:
+        if self._cuda:
+            b.synchronize()  # while tuning (the steady state asks only for events that are done)
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def _pass_end(self, ends: Dict[int, Mark]) -> Optional[Mark]:
+        if not ends:
+            return None
+        return ends[max(ends)] if self._cuda else max(ends.values())
+
+    def _all_reduce_max(self, state: Any, values: List[float], wait: bool = True) -> Any:
+        group = state.context.group
+        device = torch.device("cuda", torch.cuda.current_device()) if self._cuda else torch.device("cpu")
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        with state.queue.ordered():
+            work = run_collective("all_reduce", _SUBJECT, dist.all_reduce, tensor, op=dist.ReduceOp.MAX,
+                                  group=group, async_op=not wait)
+        return tensor.cpu() if wait else (work, tensor)
+
+
+def _stats(samples: List[float]) -> TimingStats:
+    return median_interval([1e6 * s for s in samples])
+
+
+def _nodes_from_launcher(world_size: int) -> int:
+    """Nodes of a flat job, from the launcher's LOCAL_WORLD_SIZE (torchrun's); 1 when it does not say."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        return 1
+    return world_size // local if 0 < local <= world_size and world_size % local == 0 else 1
+
+
+def _refuse_stray(decided: Dict[int, Dict[str, Any]], names: Sequence[str]) -> None:
+    stray = sorted({d["format"] for d in decided.values()} - set(names))
+    if stray:
+        raise ValueError(f"the saved online tuning chose {', '.join(stray)}, which this state does not admit "
+                         f"(formats={list(names)})")
+
+
+def tuned_choice(tuner: Optional[OnlineTuner]) -> Optional[Dict[int, Dict[str, Any]]]:
+    """``CommState.tuned_formats``: the tuner's choice, None while tuning; a ValueError without online tuning."""
+    if tuner is None:
+        raise ValueError("tuned_formats: this state does not tune online (register it with tune='online')")
+    return tuner.tuned()
+
+
+def save_tuned_profile(tuner: Optional[OnlineTuner], ctx: Any, path: Any) -> Any:
+    """``CommState.save_profile``: write the choice as a profile (``profile_from_choice``); returns its path."""
+    if tuned_choice(tuner) is None or ctx is None:
+        raise ValueError("save_profile: online tuning has not chosen yet (it chooses in the job's first steps)")
+    return tuner.profile(ctx).save(path)

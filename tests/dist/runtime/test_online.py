@@ -1,0 +1,210 @@
+"""Online tuning (``tune="online"``): every rank tries the same formats at the same steps and makes the same choice.
+
+Tier: gloo multi-process on CPU, on the kernels' torch path. Ranks sleep for random times of their own before their
+backward (stragglers), so their own timings differ; the choice must not. The residual test gives each step a
+gradient that does not depend on the weights, so that what SGD applied over the run can be compared with the true
+mean gradients: error feedback's residuals must reach the weights when a bucket leaves FP8. A rank killed mid-tuning
+is part of ``test_failures.py``'s survivors test (its ``online`` case).
+"""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_triton
+from ddp_helpers import local_backward, make_data, make_model, torch_path_workers
+from ddp_triton.dtypes import normalize_dtype
+from ddp_triton.formats import WireFormat
+from ddp_triton.machine.profile import load_profile
+from ddp_triton.runtime import online
+
+FOUR = ["fp32", "bf16", "bf16+fp32sum", "fp8e4m3+ef"]
+ONLINE = dict(comm_dtype="auto", tune="online", profile=None)
+
+
+def _wide_model():
+    return make_model(widths=(8, 64, 64, 64, 4))  # with bucket_cap_mb=0.01: three buckets
+
+
+def _train(ddp, rank, world_size, steps, first=0, straggle=0.0, seed=0):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    sleeps = random.Random(seed * 100 + rank)
+    for step in range(first, first + steps):
+        if straggle:
+            time.sleep(sleeps.uniform(0.0, straggle))
+        opt.zero_grad()
+        x, y = make_data(step)
+        local_backward(ddp, x, y, rank, world_size)
+        opt.step()
+
+
+def _gathered(value, world_size):
+    out = [None] * world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _stragglers_worker(rank, world_size):
+    ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
+    state = ddp_triton.register(ddp, formats=FOUR, **ONLINE)
+    span = online.WARM_PASSES + online.MEASURED_PASSES
+    uniform_trials_end = 1 + len(FOUR) * span  # the pass at whose first bucket the four formats' times are in
+    last_trial_ends = uniform_trials_end + span  # and their mix, if it is tried
+    _train(ddp, rank, world_size, uniform_trials_end, straggle=0.02, seed=1)
+    assert state.tuned_formats() is None  # still tuning
+    _train(ddp, rank, world_size, last_trial_ends + 1 - uniform_trials_end, first=uniform_trials_end)
+    assert state.passes <= 30
+    tuned = state.tuned_formats()
+    assert tuned is not None and len(tuned) >= 2, tuned
+    assert all(entry["format"] in FOUR and set(entry["step_ms"]) >= set(FOUR) for entry in tuned.values())
+    assert len({repr(t) for t in _gathered(tuned, world_size)}) == 1  # the same choice and times on every rank
+    # Every bucket now binds in its chosen format, and the replicas stayed identical throughout.
+    _train(ddp, rank, world_size, 2, first=last_trial_ends + 1)
+    plans = state.latest_pass()
+    assert sorted(p.record.wire_format for p in plans) == sorted(
+        telemetry_name(tuned[p.record.index]["format"]) for p in plans)
+    params = torch.cat([p.detach().view(-1) for p in ddp.parameters()])
+    assert len({params.numpy().tobytes() for params in _gathered(params, world_size)}) == 1
+
+
+def telemetry_name(name):
+    """How the telemetry names a bucket sent in format ``name``: an all-reduce by its dtype."""
+    wire = WireFormat.parse(name)
+    return name if wire.sharded else normalize_dtype(wire.comm_dtype)
+
+
+def test_every_rank_tries_the_same_formats_and_chooses_alike_under_stragglers():
+    torch_path_workers(_stragglers_worker, 3, timeout=240)
+
+
+class _Decision:
+    def __init__(self, name):
+        self.format, self.reason, self.switched = name, "the test's", False
+
+
+class _Linear(nn.Module):
+    """loss = sum(w * x): the gradient is x, whatever w is."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _residual_worker(rank, world_size, final):
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
+    online.decide_format = lambda stats, incumbent=None, tolerance=0.0: _Decision(final)
+    n = 3000
+    ddp = DDP(_Linear(n), bucket_cap_mb=25)
+    state = ddp_triton.register(ddp, formats=["fp32", "fp8e4m3+ef"], **ONLINE)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    truth = torch.zeros(n, dtype=torch.float64)
+    seen = []
+    fp32, fp8 = telemetry_name("fp32"), telemetry_name("fp8e4m3+ef")
+    for step in range(9):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
+              range(world_size)]
+        truth += torch.stack(xs).double().mean(0)
+        opt.zero_grad()
+        ddp(xs[rank]).backward()
+        opt.step()
+        seen.append(state.latest_pass()[0].record.wire_format)
+    # passes 1-2: fp32, 3-4: FP8, then the decision (the mix is never tried: one format is every bucket's fastest)
+    assert seen[1] == fp32 and seen[3] == fp8 and seen[-1] == telemetry_name(final), seen
+    applied = -ddp.module.w.detach().double()
+    residual = state.state_dict()["first_stage"]
+    if final == "fp32":  # the residuals went into the first fp32 exchange: nothing is owed, nothing was lost
+        assert not residual or all(float(v.abs().max()) == 0.0 for v in residual.values())
+        torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)
+    else:  # still in FP8: what is applied plus what is owed is the truth
+        assert (applied - truth).abs().max() > 1e-4  # FP8's rounding is there to be owed
+    fp8_error = 0.05 * float(truth.abs().max())
+    assert float((applied - truth).abs().max()) < fp8_error
+
+
+@pytest.mark.parametrize("final", ["fp32", "fp8e4m3+ef"])
+def test_a_bucket_leaving_fp8_hands_its_residuals_to_its_next_exchange(final):
+    torch_path_workers(_residual_worker, 2, final, timeout=180)
+
+
+def _resume_worker(rank, world_size, tmp):
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
+    state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
+    _train(ddp, rank, world_size, 1 + 3 * 3 + 1)  # two formats and, at most, their mix, three passes each
+    tuned = state.tuned_formats()
+    assert tuned is not None
+    saved = state.state_dict()
+    assert saved["online"]["buckets"]
+    path = os.path.join(tmp, "profile.json")
+    if rank == 0:
+        state.save_profile(path)
+    dist.barrier()
+
+    # A resumed job: the same model and buckets, the checkpoint's choice, no tuning at all.
+    resumed = DDP(_wide_model(), bucket_cap_mb=0.01)
+    again = ddp_triton.register(resumed, formats=["fp32", "bf16"], **ONLINE)
+    again.load_state_dict(saved)
+    assert again.tuned_formats() == tuned
+    _train(resumed, rank, world_size, 4)
+    assert again.tuner.tunings == 0 and again.tuned_formats() == tuned
+    formats = {p.record.index: p.record.wire_format for p in again.latest_pass()}
+    assert formats == {i: telemetry_name(entry["format"]) for i, entry in tuned.items()}
+
+    # Other buckets (DDP regrouped the parameters): the checkpoint's choice does not hold; the job tunes again.
+    other = DDP(_wide_model(), bucket_cap_mb=25)
+    third = ddp_triton.register(other, formats=["fp32", "bf16"], **ONLINE)
+    third.load_state_dict(saved)
+    _train(other, rank, world_size, 3)
+    assert third.tuned_formats() is None  # tuning again
+    _train(other, rank, world_size, 3 * 3 + 1, first=3)
+    assert third.tuner.tunings == 1 and len(third.tuned_formats()) == 1
+
+    # The profile it wrote gives comm_dtype="auto" each bucket size's chosen format.
+    profile = load_profile(path)
+    assert sorted(profile.formats.admitted) == ["bf16", "fp32"]
+    for entry in tuned.values():
+        assert profile.format_for(entry["elements"] * 4) == entry["format"]
+    followed = DDP(_wide_model(), bucket_cap_mb=0.01)
+    follower = ddp_triton.register(followed, comm_dtype="auto", profile=path)
+    _train(followed, rank, world_size, 3)
+    assert {p.record.index: p.record.wire_format for p in follower.latest_pass()} == formats
+
+
+def test_a_resumed_job_keeps_the_choice_and_skips_tuning(tmp_path):
+    torch_path_workers(_resume_worker, 2, str(tmp_path), timeout=240)
+
+
+def _drift_worker(rank, world_size):
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    online.CHECK_EVERY, online.DRIFT_CHECKS, online.RETUNE_SPACING = 3, 2, 10
+    ddp = DDP(_wide_model(), bucket_cap_mb=25)
+    state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    tuned_at = []
+    for step in range(60):
+        # The step slows down by 60 ms from step 25 on: as a link shared with another job looks from here.
+        time.sleep(0.01 if step < 25 else 0.07)
+        opt.zero_grad()
+        x, y = make_data(step)
+        local_backward(ddp, x, y, rank, world_size)
+        opt.step()
+        tuned_at.append(state.tuner.tunings)
+    first = tuned_at.index(1)
+    assert first <= 1 + 2 * 3 + 1, tuned_at
+    assert tuned_at[24] == 1, tuned_at  # steady while the step is
+    assert tuned_at[-1] == 2, tuned_at  # the slower step set off one re-tune, and one only
+    second = tuned_at.index(2)
+    assert second >= first + online.RETUNE_SPACING, tuned_at
+
+
+def test_a_step_that_drifts_sets_off_one_re_tune():
+    torch_path_workers(_drift_worker, 2, timeout=240)
