@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -318,6 +319,17 @@ class Cluster:
             self._in(ns, "link", "set", NODE_IF, "up")
             self._shape(self.switch, port, delay_s=0.0)  # switch -> node: rate only
             self._shape(ns, NODE_IF, delay_s=link.delay_s)  # node -> switch: rate, and the one-way delay
+
+    def reshape(self, rate_bps: int) -> None:
+        """Change every link's rate to ``rate_bps`` while the job runs (``tc qdisc change`` of each tbf; the delay
+        stays): as a link shared with another job looks from the job. ``spec.link`` says the new rate after."""
+        link = dataclasses.replace(self.spec.link, rate_bps=rate_bps)
+        tbf = ["tbf", "rate", f"{link.rate_bps}bit", "burst", str(link.burst_bytes), "limit", str(link.queue_bytes)]
+        for i, ns in enumerate(self.node_ns):
+            self._tc(self.switch, "qdisc", "change", "dev", f"p{i}", "root", *tbf)
+            where = ["parent", "1:1", "handle", "10:"] if link.delay_s else ["root"]
+            self._tc(ns, "qdisc", "change", "dev", NODE_IF, *where, *tbf)
+        self.spec = dataclasses.replace(self.spec, link=link)
 
     def _shape(self, ns: str, dev: str, delay_s: float) -> None:
         link = self.spec.link

@@ -46,12 +46,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ddp_triton.safe_write import OutputError, atomic_write_text
 
+from bench.cluster.control import ENV as CONTROL_ENV
+from bench.cluster.control import LinkControl
 from bench.cluster.network import (NODE_IF, Cluster, ClusterSpec, CounterError, LinkCounters, SetupError, Unavailable,
-                                   check_prerequisites)
+                                   check_prerequisites, parse_rate)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 124
 
@@ -207,8 +209,9 @@ class Job:
                 proc.open = False
                 self._emit(proc, b"", final=True)
 
-    def wait(self, deadline: float) -> Optional[int]:
-        """Pump output until every process has exited (None at the deadline). The job's exit status."""
+    def wait(self, deadline: float, poll: Optional[Callable[[], Optional[str]]] = None) -> Optional[int]:
+        """Pump output until every process has exited (None at the deadline). The job's exit status. ``poll``:
+        called between reads (the link-rate control), a line to print when it did something."""
         sel = selectors.DefaultSelector()
         for proc in self.procs:
             sel.register(proc.popen.stdout.fileno(), selectors.EVENT_READ, proc)
@@ -235,6 +238,9 @@ class Job:
                     if now >= drain_until:
                         break
                 self._pump(sel, min(0.2, max(0.0, deadline - now)))
+                said = poll() if poll is not None else None
+                if said:
+                    print(f"[cluster] {said}", file=sys.stderr, flush=True)
         finally:
             sel.close()
         if self.failed is not None:
@@ -434,10 +440,12 @@ def run(spec: ClusterSpec, command: Sequence[str], launcher: str = "torchrun", t
                         "qdiscs": cluster.qdiscs()}
                 say(f"{cluster.name}: {spec.nodes} node(s) x {spec.procs_per_node} rank(s), {spec.link.describe()}; "
                     f"logs in {log_dir}")
-                job = Job(cluster, command, launcher, log_dir, node_env, echo, grace_s)
+                control = LinkControl(log_dir / "link-control", cluster.reshape, parse_rate)
+                job = Job(cluster, command, launcher, log_dir, [*node_env, (CONTROL_ENV, str(control.path))], echo,
+                          grace_s)
                 before = _read_counters(cluster)
                 job.start()
-                status = job.wait(start + timeout_s)
+                status = job.wait(start + timeout_s, control.poll)
                 if status is None:
                     status, reason = EXIT_TIMEOUT, f"timed out after {timeout_s:g} s: killed"
                 elif job.failed is not None:

@@ -48,19 +48,33 @@ def allreduce(args) -> None:
     import torch
 
     dist = init()
-    out = {}
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        t = torch.ones(args.numel, dtype=dtype)
-        dist.all_reduce(t)  # warm-up: connections, buffers
-        times = []
-        for _ in range(args.iters):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        out[name] = times
-    report(rank=dist.get_rank(), world=dist.get_world_size(), numel=args.numel, times=out)
+
+    def timed() -> dict:
+        out = {}
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            t = torch.ones(args.numel, dtype=dtype)
+            dist.all_reduce(t)  # warm-up: connections, buffers
+            times = []
+            for _ in range(args.iters):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - start)
+            out[name] = times
+        return out
+
+    out = timed()
+    after = None
+    if args.rate_after:  # the links change rate mid-job (bench.cluster's link control), then the same again
+        if dist.get_rank() == 0:
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            from bench.cluster.control import request_rate  # the repository's bench, beside tests/
+
+            request_rate(args.rate_after)
+        dist.barrier()
+        after = timed()
+    report(rank=dist.get_rank(), world=dist.get_world_size(), numel=args.numel, times=out, times_after=after)
     leave(dist)
 
 
@@ -145,6 +159,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=1 << 21, help="elements per all-reduce, in every dtype")
     p.add_argument("--dtypes", default="float32")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--rate-after", help="allreduce: then set every link to this rate and time them again")
     p.add_argument("--bytes", type=int, default=4 << 20, help="what rank 0 sends to the last rank")
     p.add_argument("--ready-file", help="send: rank 0 creates it once it listens (a new path)")
     p.add_argument("--code", type=int, default=3)

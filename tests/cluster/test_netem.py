@@ -242,6 +242,21 @@ def test_allreduce_takes_the_time_the_rate_allows(unchanged, tmp_path):
 
 
 @pytest.mark.netem
+def test_a_rank_can_change_the_links_rate_mid_job(unchanged, tmp_path):
+    """At 1 Gbit/s, then (asked by rank 0 through bench.cluster.control) 250 Mbit/s: the same all-reduce takes
+    about four times as long after the change."""
+    numel = 1 << 21
+    out = run_cluster("--nodes", "2", "--procs-per-node", "1", "--link", "1gbit", "--launcher", "env",
+                      "--log-dir", str(tmp_path), "--", sys.executable, PROBE, "allreduce", "--numel", str(numel),
+                      "--iters", "3", "--rate-after", "250mbit")
+    assert "links set to 250mbit" in out.stderr
+    (r0,) = [p for p in probes(out.stdout) if p["rank"] == 0]
+    before, after = statistics.median(r0["times"]["float32"]), statistics.median(r0["times_after"]["float32"])
+    assert min(r0["times_after"]["float32"]) >= 0.96 * numel * 4 * 8 / 250e6, r0
+    assert 3.0 <= after / before <= 5.0, (before, after)
+
+
+@pytest.mark.netem
 def test_delay_shows_up_as_latency(unchanged):
     if not unchanged["netem"]:
         pytest.skip(f"this kernel ({unchanged['kernel']}) has no sch_netem (CONFIG_NET_SCH_NETEM): no delay to test")
