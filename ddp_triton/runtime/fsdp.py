@@ -62,13 +62,16 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import WireFormat, average_factors
+from ..formats import WireFormat, average_factors, sorted_by_preference
+from ..machine.profile import AUTO_FORMAT
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
 from .collective_errors import run_collective
 from .wire_exchanges import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
+from .fsdp_online import FSDPTuning, TunedReduceScatter
 from .fsdp_state import FSDPCommState, param_groups
+from .online import DEFAULT_ONLINE_FORMATS, OnlineTuner, check_tune_options
 from .residuals import LayoutResiduals
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
@@ -285,21 +288,24 @@ def _run(exchange: Any, subject: str) -> None:
     exchange.finish()
 
 
-def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
+def register(model: torch.nn.Module, comm_dtype: Any = torch.bfloat16,
              accumulate_dtype: Optional[torch.dtype] = torch.float32, error_feedback: Optional[bool] = None,
              replicate_group: Any = None, replicate_comm_dtype: torch.dtype = torch.bfloat16,
              replicate_accumulate_dtype: Optional[torch.dtype] = torch.float32,
-             replicate_error_feedback: Optional[bool] = None) -> FSDPCommState:
+             replicate_error_feedback: Optional[bool] = None, tune: Optional[str] = None,
+             formats: Optional[List[str]] = None) -> FSDPCommState:
     """Set our reduce-scatter, in the wire format these options name (``CommState``'s), on every FSDPModule in
     ``model`` (after ``fully_shard``). Defaults: bfloat16 on the wire, float32 sums. With ``replicate_group``, also
-    average each shard over the replicas in the ``replicate_`` format (HSDP; see the module docstring). Everything
-    is checked before any module is changed. Call on every rank."""
+    average each shard over the replicas in the ``replicate_`` format (HSDP; see the module docstring). With
+    ``comm_dtype="auto", tune="online"``, each FSDP group's format among ``formats`` is chosen by the job's first
+    steps (``fsdp_online.py``). Everything is checked before any module is changed. Call on every rank."""
     if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError(f"ddp_triton.fsdp.register needs torch >= {MIN_TORCH_FOR_FSDP} (FSDP2's "
                            f"set_custom_reduce_scatter); this is torch {torch.__version__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"register expects an nn.Module sharded with fully_shard, got {type(model).__name__}")
-    wire = WireFormat.from_options(comm_dtype, accumulate_dtype, error_feedback)
+    online = fsdp_online_formats(comm_dtype, tune, formats)
+    wire = None if online is not None else WireFormat.from_options(comm_dtype, accumulate_dtype, error_feedback)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
@@ -317,8 +323,14 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
                              "the replicate dimension's group as replicate_group")
     comms, hooks = [], []
     names = {id(m): name for name, m in model.named_modules()}
-    for module in modules:
-        comm = WireReduceScatter(wire, module, names[id(module)])
+    tuner, host = (None, None) if online is None else (OnlineTuner(list(online)), FSDPTuning(_shard_group(modules),
+                                                                                               online))
+    for index, module in enumerate(modules):
+        if online is None:
+            comm = WireReduceScatter(wire, module, names[id(module)])
+        else:
+            comm = TunedReduceScatter({name: WireReduceScatter(w, module, names[id(module)])
+                                       for name, w in online.items()}, index, tuner, host)
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
         if replica_wire is not None:
@@ -326,7 +338,31 @@ def register(model: torch.nn.Module, comm_dtype: torch.dtype = torch.bfloat16,
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
     replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
-    return FSDPCommState(wire, comms, model, dist.get_world_size() // replicas, replica_wire, hooks)
+    return FSDPCommState(wire, comms, model, dist.get_world_size() // replicas, replica_wire, hooks, tuner)
+
+
+def fsdp_online_formats(comm_dtype: Any, tune: Any, formats: Any) -> Optional[Dict[str, WireFormat]]:
+    """The formats online tuning chooses among, by name (``comm_dtype="auto"``), or None (a fixed format); a
+    ValueError naming the option that is wrong."""
+    names = check_tune_options(tune, formats)
+    if tune is not None and comm_dtype != AUTO_FORMAT:
+        raise ValueError(f"tune={tune!r} chooses each FSDP group's wire format: pass comm_dtype='auto' with it")
+    if comm_dtype != AUTO_FORMAT:
+        return None
+    if tune is None:
+        raise ValueError("comm_dtype='auto' for FSDP chooses each group's format online: pass tune='online' (FSDP "
+                         "follows no profile)")
+    chosen = {name: WireFormat.parse(name) for name in (names or DEFAULT_ONLINE_FORMATS)}
+    two_level = [name for name, w in chosen.items() if w.two_level]
+    if two_level:
+        raise ValueError(f"formats: FSDP's reduce-scatter has no two-level exchange ({', '.join(two_level)})")
+    return {name: chosen[name] for name in sorted_by_preference(list(chosen))}
+
+
+def _shard_group(modules: List[Any]) -> Any:
+    """The group every FSDP group reduce-scatters over (the ranks' timings are combined over it)."""
+    groups = param_groups(modules[0])
+    return groups[0].mesh_info.shard_process_group if groups else dist.group.WORLD
 
 
 def _module_label(name: str, module: Any) -> str:

@@ -35,10 +35,12 @@ class FSDPCommState:
     """What ``register`` set: the wire formats, each FSDP module's reduce-scatter and, with a replicate group, its
     replica hop; for FP8 with error feedback, the residuals' checkpoint (``state_dict`` / ``load_state_dict``)."""
 
-    def __init__(self, wire: WireFormat, comms: List[Any], model: torch.nn.Module, shard_ranks: int,
-                 replica_wire: Optional[WireFormat] = None, replica_hooks: Optional[List[Any]] = None
-                 ) -> None:
+    def __init__(self, wire: Optional[WireFormat], comms: List[Any], model: torch.nn.Module, shard_ranks: int,
+                 replica_wire: Optional[WireFormat] = None, replica_hooks: Optional[List[Any]] = None,
+                 tuner: Any = None) -> None:
         self.wire = wire
+        """The groups' wire format; None: each group's is chosen online (``tuner``)."""
+        self.tuner = tuner
         self.comms = comms
         self.replica_wire = replica_wire
         self.replica_hooks = replica_hooks or []
@@ -70,9 +72,22 @@ class FSDPCommState:
             if hook.residuals is not None:
                 replica[self._module_names[id(hook.comm.module)]] = {
                     "first": hook.residuals.first.clone().cpu(), "second": hook.residuals.second.clone().cpu()}
-        return {"version": STATE_DICT_VERSION, "wire_format": self.wire.name, "replica_wire_format":
+        online = {} if self.tuner is None else {"online": self.tuner.state()}
+        return {"version": STATE_DICT_VERSION, "wire_format": self.wire_setting, "replica_wire_format":
                 None if self.replica_wire is None else self.replica_wire.name, "rank": dist.get_rank(),
-                "world_size": dist.get_world_size(), "residuals": residuals, "replica_residuals": replica}
+                "world_size": dist.get_world_size(), "residuals": residuals, "replica_residuals": replica, **online}
+
+    @property
+    def wire_setting(self) -> str:
+        """The wire format's name, or ``"auto"`` (each group's chosen online)."""
+        return "auto" if self.wire is None else self.wire.name
+
+    def tuned_formats(self) -> Optional[Dict[int, Dict[str, Any]]]:
+        """Per FSDP group (by its module's place among the model's FSDP modules): the format online tuning chose
+        and the medians (ms) that chose it; None while tuning. A ValueError without online tuning."""
+        if self.tuner is None:
+            raise ValueError("tuned_formats: this FSDP state does not tune online (register with tune='online')")
+        return self.tuner.tuned()
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on this rank. Everything is checked first (format, rank and world
@@ -82,7 +97,7 @@ class FSDPCommState:
         if saved["version"] > STATE_DICT_VERSION:
             raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads up to "
                              f"{STATE_DICT_VERSION}")
-        here = {"wire_format": self.wire.name, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+        here = {"wire_format": self.wire_setting, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "replica_wire_format": None if self.replica_wire is None else self.replica_wire.name}
         for key, value in here.items():
             if saved.get(key) != value:
@@ -90,6 +105,9 @@ class FSDPCommState:
         given = saved.get("residuals")
         if not isinstance(given, dict):
             raise ValueError("the saved state has no residuals dict")
+        tuned = None
+        if self.tuner is not None and saved.get("online") is not None:
+            tuned = self.tuner.check_saved(saved["online"])
         known = {name: (comm, size) for comm in self.comms for name, size in self._params(comm)}
         for name, value in given.items():
             if name not in known:
@@ -124,6 +142,8 @@ class FSDPCommState:
                     rows[:, offset:offset + size].copy_(given[name].view(self.shard_ranks, size))
                 offset += size
             comm.residual = rows.view(-1)
+        if tuned is not None:
+            self.tuner.lock(tuned)  # a resumed job skips tuning
         for name, hook in hooks.items():
             if name not in replica:
                 hook.residuals = None

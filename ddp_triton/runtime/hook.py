@@ -48,7 +48,7 @@ def triton_hook(state: Optional[CommState], bucket: dist.GradBucket) -> torch.fu
     buffer = bucket.buffer()
     tuner = state.tuner
     if tuner is not None:  # online tuning: at a pass's first bucket, its schedule may switch formats
-        tuner.before_bucket(state, bucket, buffer)
+        tuner.before_call(state, bucket.index(), buffer.numel(), buffer.is_cuda)
     plan = state.plans.get(id(buffer))
     if plan is None or (plan.residuals is not None and not plan.residuals.alive):
         plan = state.plan_for(buffer, bucket)  # new, or its residuals moved to another layout: bind (again)

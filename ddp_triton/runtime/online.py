@@ -10,9 +10,9 @@ fastest. The schedule is a function of the pass count (counted at each backward'
   bucket's exchange (the hook's call to its future's completion; CUDA events on a GPU).
 - At the first bucket of the pass after a timed one, the ranks' times go through one all-reduce (MAX), issued in
   the state's one order, so every rank decides on the same numbers with no broadcast.
-- The choice is the trial whose step was fastest beyond the noise (``decide_format``: the most accurate format
-  stands unless another beats it beyond its interval). A mix wins only if its steps beat the best single format's:
-  a format whose exchange is faster but whose passes hold up the step loses. The choice is then locked.
+- The choice is the trial whose median step was fastest (``decide_format`` on the medians: the most accurate
+  format stands unless another's is more than 3% lower). A mix wins only if its steps beat the best single
+  format's: a format whose exchange is faster but whose passes hold up the step loses. The choice is then locked.
 
 Steady state: every ``CHECK_EVERY`` passes the median step of the window goes through one all-reduce (MAX), which is
 read at the next check, so no rank waits on it. When the step strays more than ``DRIFT`` from the first window after
@@ -34,8 +34,7 @@ import torch.distributed as dist
 
 from ..formats import canonical_name, sorted_by_preference
 from ..log import info_rank0, warn_once
-from ..machine.profile import (Profile, TimingStats, decide_format, median_interval, profile_from_choice,
-                                significantly_faster)
+from ..machine.profile import Profile, TimingStats, decide_format, profile_from_choice, significantly_faster
 from .collective_errors import run_collective
 
 TUNE_ONLINE = "online"
@@ -93,7 +92,7 @@ class OnlineTuner:
         self.choice: Optional[Dict[int, str]] = None
         """The locked format per bucket index; None while tuning (or before)."""
         self.decided: Dict[int, Dict[str, Any]] = {}
-        """Per bucket index: its format, bytes and the medians that decided it (``CommState.tuned_formats``)."""
+        """Per bucket index: its format, elements and the medians that chose it (``CommState.tuned_formats``)."""
         self.tunings = 0
         self._start: Optional[int] = 1
         """The pass the next (or current) tuning starts at; None once locked and no re-tune is due."""
@@ -108,7 +107,7 @@ class OnlineTuner:
         self._ends: Dict[int, Mark] = {}
         self._last_end: Optional[Mark] = None
         self._locked_at = 0
-        self._window: List[float] = []
+        self._window: List[Tuple[Mark, Mark]] = []
         self._pending: Optional[Tuple[Any, torch.Tensor]] = None
         self._baseline: Optional[float] = None
         self._drifted = 0
@@ -126,20 +125,29 @@ class OnlineTuner:
 
     def format_for(self, bucket: Any) -> Optional[str]:
         """The format DDP's ``bucket`` binds in now; None: the context's own choice (before tuning starts)."""
-        assignment = self.choice if self.choice is not None and self._start is None else self._assignment
-        if assignment is None or bucket is None:
-            return None
-        return assignment if isinstance(assignment, str) else assignment.get(bucket.index())
+        return None if bucket is None else self.format_of(bucket.index())
 
-    def before_bucket(self, state: Any, bucket: Any, buffer: torch.Tensor) -> None:
-        """At every bucket, before its plan is looked up: at a pass's first, take the last pass's times and move
-        the schedule on (which may drop every plan, so that the buckets bind in their next formats)."""
+    def format_of(self, index: int) -> Optional[str]:
+        """The format bucket (FSDP: group) ``index`` goes in now; None: the host's own choice."""
+        assignment = self.choice if self.choice is not None and self._start is None else self._assignment
+        if assignment is None:
+            return None
+        return assignment if isinstance(assignment, str) else assignment.get(index)
+
+    def before_call(self, state: Any, index: int, numel: int, is_cuda: bool) -> None:
+        """At every call of a bucket (FSDP: a group) ``index`` of ``numel`` elements, before its plan is looked up:
+        at a pass's first, take the last pass's times and move the schedule on (which may drop every plan of
+        ``state``, the host, so that the buckets bind in their next formats). The host: a CommState, or FSDP's
+        ``FSDPTuning``."""
         if state.passes != self._seen_pass:
+            if is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("triton_hook: tune='online' times the job's steps in Python, which a CUDA graph's "
+                                   "replay does not run: capture a state with a fixed format, or comm_dtype='auto' "
+                                   "with the profile online tuning saved (state.save_profile)")
             self._seen_pass = state.passes
-            self._cuda = buffer.is_cuda
+            self._cuda = is_cuda
             self._new_pass(state, state.passes)
-        index = bucket.index()
-        self._filling[index] = buffer.numel()
+        self._filling[index] = numel
         if self._start is not None and self._start <= state.passes:
             self._starts[index] = self._mark()
 
@@ -155,6 +163,10 @@ class OnlineTuner:
             return done.value()  # a failed exchange fails what DDP waits on, as before
 
         return future.then(ended)
+
+    def ended(self, index: int) -> None:
+        """A call that ran its exchange to its end (FSDP's reduce-scatter) has ended: mark it."""
+        self._ends[index] = self._mark()
 
     # ---- the schedule -----------------------------------------------------------------------------------------
 
@@ -201,7 +213,7 @@ class OnlineTuner:
             trial.exchanges.setdefault(i, []).append(combined[1 + i])
 
     def _mixed(self) -> Optional[Dict[int, str]]:
-        """Each bucket's fastest format by its exchanges (beyond the noise); None when one format is every bucket's."""
+        """Each bucket's fastest format by its exchanges' medians; None when one format is every bucket's."""
         per_bucket = {}
         for i in sorted(self._bytes):
             stats = {t.label: _stats(t.exchanges[i]) for t in self._trials if t.exchanges.get(i)}
@@ -327,14 +339,15 @@ class OnlineTuner:
 
     def _seconds(self, a: Mark, b: Mark) -> float:
         if self._cuda:
-            b.synchronize()  # while tuning (the steady state asks only for events that are done)
+            a.synchronize()  # while tuning (the steady state asks only for events that are done)
+            b.synchronize()
             return a.elapsed_time(b) / 1e3
         return b - a
 
     def _pass_end(self, ends: Dict[int, Mark]) -> Optional[Mark]:
         if not ends:
             return None
-        return ends[max(ends)] if self._cuda else max(ends.values())
+        return list(ends.values())[-1] if self._cuda else max(ends.values())  # CUDA: the last marked
 
     def _all_reduce_max(self, state: Any, values: List[float], wait: bool = True) -> Any:
         group = state.context.group
@@ -347,7 +360,10 @@ class OnlineTuner:
 
 
 def _stats(samples: List[float]) -> TimingStats:
-    return median_interval([1e6 * s for s in samples])
+    """The median of a trial's times, as a point: from four samples an interval is their whole range, wider than
+    the differences that matter (a format 15% faster would stay within the noise), so the rule compares medians:
+    the more accurate format stands unless another's median is more than ``SWITCH_TOLERANCE`` lower."""
+    return TimingStats.point(1e6 * statistics.median(samples))
 
 
 def _nodes_from_launcher(world_size: int) -> int:

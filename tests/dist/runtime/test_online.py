@@ -208,3 +208,85 @@ def _drift_worker(rank, world_size):
 
 def test_a_step_that_drifts_sets_off_one_re_tune():
     torch_path_workers(_drift_worker, 2, timeout=240)
+
+
+# ---- FSDP2: each FSDP group's reduce-scatter in the format the job's steps chose --------------------------------
+
+
+def _fsdp_shard(model, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in [*model.children(), model]:
+        if any(True for _ in module.parameters()):
+            fully_shard(module, mesh=mesh)
+    return model
+
+
+def _fsdp_worker(rank, world_size):
+    import ddp_triton.fsdp
+
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    model = _fsdp_shard(_wide_model(), world_size)
+    state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online",
+                                     formats=["fp32", "bf16+fp32sum", "fp8e4m3+ef"])
+    assert state.wire is None and state.wire_setting == "auto"
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sleeps = random.Random(rank)
+    tuned_at, losses = None, []
+    for step in range(1 + 4 * 3 + 2):  # three formats and, at most, their mix, three passes each
+        time.sleep(sleeps.uniform(0.0, 0.01))
+        opt.zero_grad()
+        x, y = make_data(step)
+        loss = nn.functional.mse_loss(model(x[rank::world_size]), y[rank::world_size])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if tuned_at is None and state.tuned_formats() is not None:
+            tuned_at = step
+    tuned = state.tuned_formats()
+    assert tuned is not None and tuned_at <= 1 + 4 * 3, tuned_at
+    called = [i for i, c in enumerate(state.comms) if c.calls]  # the root holds no parameters of its own here
+    assert sorted(tuned) == called and len(called) >= 3, (sorted(tuned), called)
+    assert all(t["format"] in ("fp32", "bf16+fp32sum", "fp8e4m3+ef") for t in tuned.values())
+    assert len({repr(t) for t in _gathered(tuned, world_size)}) == 1
+    assert [state.comms[i].current.wire.name for i in called] == [tuned[i]["format"] for i in called]
+    # A resumed job keeps the choice: the saved state names it, and a state loaded with it tunes no more.
+    saved = state.state_dict()
+    again = ddp_triton.fsdp.register(_fsdp_shard(_wide_model(), world_size), comm_dtype="auto", tune="online",
+                                     formats=["fp32", "bf16+fp32sum", "fp8e4m3+ef"])
+    again.load_state_dict(saved)
+    assert again.tuned_formats() == tuned
+
+
+def test_fsdp_groups_choose_their_formats_alike_on_every_rank():
+    torch_path_workers(_fsdp_worker, 2, timeout=240)
+
+
+def _fsdp_residual_worker(rank, world_size):
+    import ddp_triton.fsdp
+
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
+    online.decide_format = lambda stats, incumbent=None, tolerance=0.0: _Decision("fp32")
+    n = 3000
+    model = _fsdp_shard(_Linear(n), world_size)
+    state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online", formats=["fp32", "fp8e4m3+ef"])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    truth = torch.zeros(n, dtype=torch.float64)
+    seen = []
+    for step in range(9):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
+              range(world_size)]
+        truth += torch.stack(xs).double().mean(0)
+        opt.zero_grad()
+        model(xs[rank]).backward()
+        opt.step()
+        seen.append(state.comms[0].current.wire.name)
+    assert seen[1] == "fp32" and seen[3] == "fp8e4m3+ef" and seen[-1] == "fp32", seen
+    applied = -model.w.full_tensor().detach().double()
+    torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)  # FP8's rounding, handed to the fp32 input
+
+
+def test_an_fsdp_group_leaving_fp8_hands_its_residuals_to_its_next_input():
+    torch_path_workers(_fsdp_residual_worker, 2, timeout=180)
