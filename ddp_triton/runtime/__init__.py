@@ -10,5 +10,6 @@
   NCCL algorithm, the ranks' agreements; ``nodes``: the node groups of a two-level exchange
 - ``grad_stats``: the gradient norm and what the state vouches for; ``telemetry``: profiler ranges, bytes on the
   wire, timings, the summary; ``collective_errors``: a failed collective's message
-- ``fsdp``, ``fsdp_state``, ``prepared_calls``: the wire formats as FSDP2's reduce-scatter, its kernels prepared per group
+- ``fsdp``, ``fsdp_state``, ``prepared_calls``: the wire formats as FSDP2's reduce-scatter, its kernels prepared
+  per group; ``fsdp_online``: its online tuning
 """

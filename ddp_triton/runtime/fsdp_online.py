@@ -1,10 +1,10 @@
 """Online tuning for FSDP2: each FSDP group's reduce-scatter in the format the job's own steps chose (``online.py``).
 
 ``ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online", formats=[...])`` gives every FSDP module a
-``TunedReduceScatter``: one ``WireReduceScatter`` per admitted format (``fsdp.py`` makes them), and the call goes to the one
-the tuner assigns the group now. FSDP issues its reduce-scatters in one order on every rank, each run to its end,
-so the tuner's timings need no queue: a pass begins when a group is called again, and a group's exchange is its
-call (CUDA events around it on a GPU). A group leaving an FP8 format with error feedback adds what its residuals
+``TunedReduceScatter``: one ``WireReduceScatter`` per admitted format (``fsdp.py`` makes them), and the call goes
+to the one the tuner assigns the group now. FSDP issues its reduce-scatters in one order on every rank, each run to
+its end, so the tuner's timings need no queue: a pass begins when a group is called again, and a group's exchange
+is its call (CUDA events around it on a GPU). A group leaving an FP8 format with error feedback adds what its residuals
 still owe to its next input; one FP8 format hands them to another.
 """
 

@@ -3,8 +3,8 @@
 Tier: no device. The layers themselves are import-linter's contracts in pyproject.toml (``lint-imports``, run by
 .ci/run); this checks what a contract cannot say: that no module, in any layer, takes part in an import cycle, with
 imports inside functions counted as well. bench/ is outside the package and outside those contracts: its layers
-(bench.cluster's cli > supervisor > network, bench.ddp_step above its models and its trace analysis) are checked
-here.
+(bench.cluster's cli > supervisor > network | control, bench.ddp_step above its models and its trace analysis)
+are checked here.
 """
 
 import ast
@@ -145,7 +145,9 @@ def bench_graph():
 
 @pytest.mark.parametrize("module, may_import", [
     pytest.param("bench.cluster.network", set(), id="cluster.network"),
-    pytest.param("bench.cluster.supervisor", {"bench.cluster.network"}, id="cluster.supervisor"),
+    pytest.param("bench.cluster.control", set(), id="cluster.control"),
+    pytest.param("bench.cluster.supervisor", {"bench.cluster.network", "bench.cluster.control"},
+                 id="cluster.supervisor"),
     pytest.param("bench.cluster.cli", {"bench.cluster.supervisor", "bench.cluster.network"}, id="cluster.cli"),
     pytest.param("bench.cluster.__main__", {"bench.cluster.cli"}, id="cluster.__main__"),
     pytest.param("bench.ddp_models", set(), id="ddp_models"),
@@ -154,8 +156,9 @@ def bench_graph():
     pytest.param("bench.listing", set(), id="listing"),
 ])
 def test_bench_modules_import_only_the_layers_below(bench_graph, module, may_import):
-    """bench.cluster in layers, cli > supervisor > network; the DDP step's models, its trace's recording and analysis,
-    and the reading of compiled listings know nothing of the benchmark that uses them."""
+    """bench.cluster in layers, cli > supervisor > network | control (a job's link-rate requests); the DDP step's
+    models, its trace's recording and analysis, and the reading of compiled listings know nothing of the benchmark
+    that uses them."""
     imported = {m for m in bench_graph.find_modules_directly_imported_by(module) if m.split(".")[0] == "bench"}
     assert imported <= may_import, sorted(imported - may_import)
 
