@@ -20,8 +20,10 @@ Three pieces, each costing nothing a step does not need:
   events recorded on the tensors' stream and read back only in ``summary()`` (which waits for them: the step never
   synchronises); on CPU tensors, where pack and unpack run on the host, ``time.perf_counter`` around them, labelled
   ``host perf_counter`` (the communication time then includes the wait for gloo's thread to run the callback).
+  A phase that runs more than once in a pass (a bucket cut into chunks, a stage name two stages share) is timed
+  from its first start to its last end: the span the bucket spent in it.
 
-A bucket path of its own (another wire format) plugs in the same way as the hook's (``bucket.py``): it gives its
+A bucket path of its own (another wire format) plugs in the same way as the hook's (``plan.py``): it gives its
 ``BucketRecord`` the format's name and bytes per pass when it binds and counts ``passes`` when it sends; ``watch``
 and its phases take any phase name.
 """
@@ -126,12 +128,13 @@ def watch(timing: bool, comm: Any) -> Optional["Watch"]:
 class Watch:
     """Ranges and timing marks around one bucket's phases in one pass (see the module docstring)."""
 
-    __slots__ = ("record", "profiling", "timing", "device", "nbytes", "comm_started")
+    __slots__ = ("record", "profiling", "timing", "device", "nbytes", "started")
 
     def __init__(self, comm: Any, profiling: bool, timing: bool) -> None:
         self.record: BucketRecord = comm.record
         self.profiling, self.timing = profiling, timing
-        self.comm_started = False
+        self.started: set = set()
+        """Phases whose start this pass has marked: a phase's later starts in the pass keep the first."""
         self.device = comm.buffer.device
         self.nbytes = comm.buffer.numel() * comm.buffer.element_size()
         if timing:
@@ -155,6 +158,10 @@ class Watch:
         return run
 
     def mark(self, phase: str, end: int) -> None:
+        if not end:
+            if phase in self.started:
+                return
+            self.started.add(phase)
         marks = self.record.marks.get(phase)
         if marks is None:
             marks = self.record.marks[phase] = [None, None]
@@ -184,8 +191,7 @@ class _Phase:
             self.range = torch.profiler.record_function(w.record.label(self.name, w.nbytes))
             self.range.__enter__()
         if w.timing:
-            if self.name in _COMM_PHASES and not w.comm_started:
-                w.comm_started = True
+            if self.name in _COMM_PHASES:
                 w.mark("comm", 0)
             w.mark(self.name, 0)
         return self

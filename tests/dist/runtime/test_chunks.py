@@ -9,7 +9,9 @@ slots are padded.
 """
 
 import copy
+import itertools
 import os
+import types
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_helpers import local_backward, torch_path_workers
 from ddp_triton.runtime.chunks import CHUNK_BYTES_ENV
+from ddp_triton.runtime import telemetry
 from ddp_triton.runtime.exchange import ChunkedExchange
 
 LOCAL = 2  # ranks per node for the two-level exchange
@@ -52,9 +55,10 @@ def _state(ddp, options, chunk_bytes):
 
 def _same_bits_worker(rank, world_size, options, chunk_bytes, bucket_cap_mb):
     os.environ["GROUP_RANK"] = str(rank // LOCAL)
+    _ticking_clock()
     model = Odd()
     whole, cut = DDP(model, bucket_cap_mb=bucket_cap_mb), DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
-    whole_state, cut_state = _state(whole, options, 0), _state(cut, options, chunk_bytes)
+    whole_state, cut_state = _state(whole, options, 0), _state(cut, dict(options, timing=True), chunk_bytes)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (whole, cut)]
     for step in range(STEPS):
         x, y = _data(step)
@@ -72,6 +76,7 @@ def _same_bits_worker(rank, world_size, options, chunk_bytes, bucket_cap_mb):
         counts = [len(p.exchange.chunks) for p in cut_state.latest_pass() if isinstance(p.exchange, ChunkedExchange)]
         assert counts and max(counts) > 2, counts
     assert cut_state.wire.name == whole_state.wire.name
+    _check_telemetry(whole_state, cut_state)
     if whole_state.wire.error_feedback:
         saved, cut_saved = whole_state.state_dict(), cut_state.state_dict()
         for stage in ("first_stage", "second_stage"):
@@ -79,6 +84,28 @@ def _same_bits_worker(rank, world_size, options, chunk_bytes, bucket_cap_mb):
             for name, value in saved[stage].items():
                 assert torch.equal(value.view(torch.int32), cut_saved[stage][name].view(torch.int32)), (stage, name)
             assert any(value.abs().sum() > 0 for value in saved[stage].values()), stage  # residuals there at all
+
+
+def _check_telemetry(whole_state, cut_state):
+    """A chunked bucket's telemetry covers every chunk: its bytes are at least the whole bucket's (each chunk's
+    slots are padded to whole shards: up to 1.4x here, where the chunks are a few blocks each), and its pack and unpack each span all chunks'. The clock is a tick counter here
+    (``_ticking_clock``, a tick per mark taken): a span of K chunks' phases holds at least K - 1 ticks, one chunk's
+    phase 1."""
+    whole_bytes = whole_state.summary().wire_bytes_per_step
+    cut_bytes = cut_state.summary().wire_bytes_per_step
+    assert whole_bytes <= cut_bytes <= 1.5 * whole_bytes, (whole_bytes, cut_bytes)
+    for plan in cut_state.latest_pass():
+        if isinstance(plan.exchange, ChunkedExchange):
+            count, marks = len(plan.exchange.chunks), plan.record.marks
+            for phase in ("pack", "unpack"):
+                assert marks[phase][1] - marks[phase][0] >= count - 1, (phase, count, marks)
+            assert marks["pack"][0] < marks["comm"][0] < marks["unpack"][0] < marks["comm"][1] < marks["unpack"][1]
+
+
+def _ticking_clock():
+    """The telemetry's clock replaced by a counter: marks then say in which order they were taken."""
+    ticks = itertools.count()
+    telemetry.time = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
 
 
 FP8 = dict(comm_dtype=torch.float8_e4m3fn)
