@@ -152,6 +152,17 @@ class WireFormat:
         the all-to-all and the all-gather can be one all-reduce of the same bytes: one collective fewer."""
         return n_ranks == 2 and self.sharded and not self.block_scaled
 
+    def chunks_keep_bits(self, ranks_per_node: int, nodes: int, node_reduce_scatter: bool = True) -> bool:
+        """Whether every sum of this format's exchange gives an element the same bits wherever it lies in the
+        buffer, so that a bucket cut into chunks is bit-identical to the whole one. An all-reduce of three or more
+        ranks adds them in an order that depends on the element's place (gloo's ring; NCCL's algorithms); a sum of
+        two does not, nor a reduce-scatter (each slot summed by its owner), nor the sharded formats' float32 sums in
+        rank order. ``ranks_per_node`` 1 and ``nodes`` the world size: a flat exchange; ``node_reduce_scatter``: a
+        two-level node's sum is a reduce-scatter (else an all-reduce)."""
+        in_node = ranks_per_node <= 2 or node_reduce_scatter
+        between = nodes <= 2 or (self.sharded and not self.one_all_reduce(nodes))
+        return in_node and between
+
     # ---- the torch side: read once, when a bucket or an FSDP module binds -------------------------------------------
 
     @cached_property

@@ -71,27 +71,18 @@ def agreed_chunk_bytes(group: Any, env: Mapping[str, str] = os.environ) -> Optio
 def chunk_count(n_elements: int, element_bytes: int, wire: WireFormat, ranks_per_node: int, nodes: int,
                 on_cuda: bool, chunk_bytes: Optional[int], node_reduce_scatter: bool = True) -> int:
     """Into how many chunks a bucket of ``n_elements`` gradients of ``element_bytes`` each is cut: by
-    ``chunk_bytes`` (the setting; 0: one chunk; at most ``MAX_CHUNKS``), else by the cost model on the layout this state runs on. On CUDA
-    the in-node rate is not known here: one chunk unless the setting says. Nor where an all-reduce adds three or more
-    ranks (``sums_ignore_place``): chunks would change its bits. ``ranks_per_node`` 1 and ``nodes`` the world size:
-    a flat format; ``node_reduce_scatter``: the node's sum is a reduce-scatter (else an all-reduce)."""
+    ``chunk_bytes`` (the setting; 0: one chunk; at most ``MAX_CHUNKS``), else by the cost model on the layout this
+    state runs on, where the model says the runtime cuts (``cost_model.chunkable``: CPU ranks, and only where chunks
+    keep the bits; on CUDA one chunk unless the setting says). ``ranks_per_node`` 1 and ``nodes`` the world size: a
+    flat format; ``node_reduce_scatter``: the node's sum is a reduce-scatter (else an all-reduce)."""
     if chunk_bytes is not None:  # at most the cost model's MAX_CHUNKS: each chunk binds its own buffers and calls
         return min(cm.MAX_CHUNKS, max(1, -(-n_elements * element_bytes // chunk_bytes))) if chunk_bytes else 1
-    if on_cuda or not sums_ignore_place(wire, ranks_per_node, nodes, node_reduce_scatter):
+    if not wire.chunks_keep_bits(ranks_per_node, nodes, node_reduce_scatter):
         return 1
     fabric = cm.Fabric(ranks_per_node=ranks_per_node, nodes=nodes, intra_gbps=GLOO_LOOPBACK_GBPS,
                        inter_gbps=GLOO_LOOPBACK_GBPS, intra_link="pcie")
-    return cm.link_bound_chunk_count(fabric, n_elements, element_bytes, wire, cm.CPU_HOST_COST)
-
-
-def sums_ignore_place(wire: WireFormat, ranks_per_node: int, nodes: int, node_reduce_scatter: bool) -> bool:
-    """Whether every sum of the exchange gives each element the same bits wherever it lies in the buffer, so that
-    chunks are bit-identical to the whole bucket. An all-reduce of three or more ranks adds them in an order that
-    depends on the element's place (gloo's ring; NCCL's algorithms); a sum of two does not, nor a reduce-scatter
-    (each slot summed by its owner), nor the sharded formats' float32 sums in rank order."""
-    in_node = ranks_per_node <= 2 or node_reduce_scatter
-    between = nodes <= 2 or (wire.sharded and not wire.one_all_reduce(nodes))
-    return in_node and between
+    host = cm.GPU_HOST_COST if on_cuda else cm.CPU_HOST_COST
+    return cm.link_bound_chunk_count(fabric, n_elements, element_bytes, wire, host)
 
 
 def pieces_within(sizes: Sequence[int], start: int, end: int) -> List[int]:

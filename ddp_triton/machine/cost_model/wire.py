@@ -185,6 +185,9 @@ class HostCost:
     """(``TRAFFIC`` class, ns per bucket element of its passes on the whole bucket); two-level formats run them on
     1/ppn of the bucket plus ``two_level_ns_per_element``."""
     two_level_ns_per_element: float = 0.0
+    cuts_buckets: bool = False
+    """Whether the runtime cuts a large FP8 or two-level bucket into chunks on this host (``chunkable``): on CPU
+    ranks; CUDA ranks keep whole buckets, their stages on one stream."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -199,7 +202,7 @@ class HostCost:
 CPU_HOST_COST = HostCost(
     bucket_us=51.5, collective_us=100.0,
     ns_per_element=(("fp32", 0.12), ("bf16", 0.35), ("fp16", 0.35), ("bf16+fp32sum", 0.55), ("fp8", 0.83)),
-    two_level_ns_per_element=0.25,
+    two_level_ns_per_element=0.25, cuts_buckets=True,
     source="CPU ranks on gloo: bench.hook_cost and bench.wire_kernels --cpu, AMD EPYC, 2026-12-01")
 
 #: The host of a GPU rank: 66 us per bucket (the H200's bench.ddp_step, ``profile.DEFAULT_HOST_US_PER_BUCKET``); the
@@ -239,7 +242,7 @@ def bucket_time_us(fabric: Fabric, n_elements: int, fmt: Union[WireFormat, str],
     wire (``wire_format_time_us``, or ``two_level_time_us``) plus ``host_time_us``; a format the runtime cuts into
     chunks at the count ``best_chunk_count`` picks (``chunked_time_us``: one chunk is the sum above)."""
     fmt = WireFormat.parse(fmt) if isinstance(fmt, str) else fmt
-    if chunkable(fmt, fabric):
+    if chunkable(fmt, fabric, host):
         return chunked_time_us(fabric, n_elements, fmt, host, best_chunk_count(fabric, n_elements, fmt, host))
     wire = (two_level_time_us if fmt.two_level else wire_format_time_us)(fabric, n_elements, fmt.traffic)
     return wire + host_time_us(fabric, n_elements, fmt, host)
@@ -257,12 +260,16 @@ MIN_CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 64
 
 
-def chunkable(fmt: WireFormat, fabric: Fabric) -> bool:
-    """Whether the runtime may cut a bucket in ``fmt`` into chunks on ``fabric``: a two-level exchange that runs
-    two-level there, and the flat block-scaled FP8 exchange."""
+def chunkable(fmt: WireFormat, fabric: Fabric, host: HostCost) -> bool:
+    """Whether the runtime cuts a bucket in ``fmt`` into chunks on ``fabric`` and ``host`` (``runtime/chunks.py``
+    asks this too): where the host cuts buckets at all, a two-level exchange that runs two-level there, or the flat
+    block-scaled FP8 exchange, and only where chunks keep the bits (``WireFormat.chunks_keep_bits``)."""
+    if not host.cuts_buckets:
+        return False
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
-        return True
-    return fmt.traffic == "fp8" and not fmt.two_level and fabric.world_size > 1
+        return fmt.chunks_keep_bits(fabric.ranks_per_node, fabric.nodes)
+    return fmt.traffic == "fp8" and not fmt.two_level and fabric.world_size > 1 and \
+        fmt.chunks_keep_bits(1, fabric.world_size)
 
 
 def pipelined_us(stage_us: Sequence[float], chunks: int) -> float:
@@ -314,7 +321,7 @@ def best_chunk_count(fabric: Fabric, n_elements: int, fmt: WireFormat, host: Hos
                      min_chunk_bytes: int = MIN_CHUNK_BYTES) -> int:
     """The chunk count that prices a bucket of ``n_elements`` float32 gradients lowest (``chunked_time_us``), each
     chunk at least ``min_chunk_bytes`` of it; 1 where ``fmt`` is not cut on ``fabric``."""
-    if not chunkable(fmt, fabric):
+    if not chunkable(fmt, fabric, host):
         return 1
     counts = _chunk_counts(n_elements, 4, min_chunk_bytes)
     return min(counts, key=lambda k: chunked_time_us(fabric, n_elements, fmt, host, k))
@@ -327,7 +334,7 @@ def link_bound_chunk_count(fabric: Fabric, n_elements: int, element_bytes: int, 
     other stages of one chunk and the link stage's fixed cost (latency, host calls: its time at one block) for every
     further chunk; the count that minimises that does not depend on the link's rate (``fabric.inter_gbps`` prices
     one block only). Buckets of ``element_bytes`` per gradient."""
-    if not chunkable(fmt, fabric):
+    if not chunkable(fmt, fabric, host):
         return 1
 
     def price(k: int) -> float:

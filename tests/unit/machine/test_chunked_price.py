@@ -55,11 +55,26 @@ def test_a_bucket_under_twice_the_floor_is_never_cut(n_bytes, expected):
 def test_what_is_not_cut():
     host = cm.CPU_HOST_COST
     for name in ("fp32", "bf16", "bf16+fp32sum"):
-        assert not cm.chunkable(WireFormat.parse(name), EMULATED_200MBIT)
+        assert not cm.chunkable(WireFormat.parse(name), EMULATED_200MBIT, host)
         assert cm.best_chunk_count(EMULATED_200MBIT, 25 << 18, WireFormat.parse(name), host) == 1
     one_node = cm.Fabric(ranks_per_node=4, nodes=1, intra_gbps=0.44, intra_link="pcie")
-    assert not cm.chunkable(TWO_LEVEL_FP8, one_node)  # the runtime goes flat there: flat FP8 is cut instead
-    assert cm.chunkable(WireFormat.parse("fp8e4m3+ef"), one_node)
+    assert not cm.chunkable(TWO_LEVEL_FP8, one_node, host)  # the runtime goes flat there: flat FP8 is cut instead
+    assert cm.chunkable(WireFormat.parse("fp8e4m3+ef"), one_node, host)
+
+
+def test_the_model_prices_chunks_where_the_runtime_cuts_them():
+    """A GPU rank keeps whole buckets, so its price is the whole bucket's; nor is a bucket cut where an all-reduce
+    of three or more ranks would add its elements in another order in a chunk (three nodes in bf16 between them)."""
+    n = 25 << 18
+    for name in ("two-level fp8e4m3+ef", "fp8e4m3+ef"):
+        fmt = WireFormat.parse(name)
+        assert not cm.chunkable(fmt, EMULATED_200MBIT, cm.GPU_HOST_COST)
+        assert cm.best_chunk_count(EMULATED_200MBIT, n, fmt, cm.GPU_HOST_COST) == 1
+        assert cm.bucket_time_us(EMULATED_200MBIT, n, fmt, cm.GPU_HOST_COST) == pytest.approx(
+            cm.chunked_time_us(EMULATED_200MBIT, n, fmt, cm.GPU_HOST_COST, 1))
+    three_nodes = cm.Fabric(ranks_per_node=2, nodes=3, inter_gbps=0.025, intra_gbps=0.44, intra_link="pcie")
+    assert not cm.chunkable(WireFormat.parse("two-level bf16"), three_nodes, cm.CPU_HOST_COST)
+    assert cm.chunkable(TWO_LEVEL_FP8, three_nodes, cm.CPU_HOST_COST)  # its sums are float32 in rank order
 
 
 def test_the_count_without_the_link_rate_is_the_count_where_the_link_limits():
