@@ -10,11 +10,16 @@ its fixed batch, its loss and how the results name it.
   ``torch.autocast(dtype=torch.bfloat16)``, the usual mixed precision: parameters, gradients and so the DDP buckets
   stay float32. ``--small``: 2 layers, d_model 64, 4 heads, MLP 256, vocab 256, 32 tokens, batch 2 (seconds on CPU).
   ``--batch`` and ``--seq`` (at most the context) set other sizes.
+
+``--backward-ms`` (the MLP only) puts a stall after each Linear whose backward sleeps its share of that many
+milliseconds: a backward of a GPU's length that leaves the host's cores free, as a GPU's does, for the exchange's
+passes and gloo's threads. Without it, on a CPU the backward's matmuls and the exchange share the same cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -22,12 +27,38 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def make_model(width: int, blocks: int) -> nn.Module:
-    """The MLP: ``blocks`` times Linear(width, 4 width) - GELU - Linear(4 width, width)."""
+def make_model(width: int, blocks: int, backward_ms: float = 0.0) -> nn.Module:
+    """The MLP: ``blocks`` times Linear(width, 4 width) - GELU - Linear(4 width, width); with ``backward_ms``, a
+    ``Stall`` after each Linear, the backward's sleep split evenly between them."""
+    stall = backward_ms / (2 * blocks)
     layers: List[nn.Module] = []
     for _ in range(blocks):
-        layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+        up, down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        layers += [up, Stall(stall), nn.GELU(), down, Stall(stall)] if backward_ms else [up, nn.GELU(), down]
     return nn.Sequential(*layers)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        time.sleep(ctx.ms / 1e3)
+        return grad, None
+
+
+class Stall(nn.Module):
+    """The identity, whose backward sleeps ``ms`` milliseconds: compute time that holds no core."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +161,24 @@ class Workload:
 
 
 def make_workload(model: str, small: bool, batch: Optional[int], seq: Optional[int], device: torch.device,
-                  world: int, blocks: Optional[int] = None) -> Workload:
+                  world: int, blocks: Optional[int] = None, backward_ms: float = 0.0) -> Workload:
     """Build ``model`` ("mlp" or "gpt2") on ``device`` with its batch (random inputs, seed 0); ``blocks``: the
-    MLP's residual blocks (default 12)."""
+    MLP's residual blocks (default 12); ``backward_ms``: the MLP's stalls in the backward, in all."""
     torch.manual_seed(0)
     if model == "mlp":
         width, blocks = (128, 2) if small else (1024, 12 if blocks is None else blocks)
         batch = 64 if batch is None else batch
-        base = make_model(width, blocks).to(device)
+        base = make_model(width, blocks, backward_ms).to(device)
         params = sum(q.numel() for q in base.parameters())
         x = torch.randn(batch, width, device=device)
-        title = f"bench/ddp_step.py (world size {world}, {params / 1e6:.1f}M parameters, batch {batch})"
+        stalls = f", {backward_ms:g} ms of stalls in the backward" if backward_ms else ""
+        title = f"bench/ddp_step.py (world size {world}, {params / 1e6:.1f}M parameters, batch {batch}{stalls})"
         return Workload(base, lambda m: m(x).float().square().mean(), title, "ddp_step",
-                        {"model": "mlp", "parameters": params, "batch": batch})
+                        {"model": "mlp", "parameters": params, "batch": batch, "backward_ms": backward_ms})
     if model != "gpt2":
         raise ValueError(f"unknown model {model}")
+    if backward_ms:
+        raise ValueError("backward_ms stalls the MLP's backward only")
     cfg = GPT2_SMOKE if small else GPT2_SMALL
     batch = (2 if small else 8) if batch is None else batch
     seq = cfg.context if seq is None else seq

@@ -24,7 +24,8 @@ hook ("x no hook"): the host's share of a step, gone (CUDA and the MLP only).
 
 ``--timeline`` records one more step of each triton variant after the timed ones: when each bucket's stages and
 chunks were issued and completed on rank 0, and the exchange exposed after the backward's last operation
-(bench/timeline.py, a JSON and a PNG). ``triton_hook_fp8_2level_whole`` and ``triton_hook_fp8_whole`` are FP8 + error
+(bench/timeline.py, a JSON and a PNG), with how much later than rank 0 the last of the ranks reached its last bucket
+(the wall clock, shared by the emulated cluster's ranks): what rank 0 then waited for is a peer, not the exchange. ``triton_hook_fp8_2level_whole`` and ``triton_hook_fp8_whole`` are FP8 + error
 feedback, two-level and flat, with every bucket in one piece (``DDP_TRITON_CHUNK_BYTES=0``), beside the variants
 whose large buckets go in chunks.
 
@@ -368,6 +369,10 @@ def record_timeline(variant: str, ddp: DDP, clip: Optional[Callable[[], None]], 
     dist.barrier()
     recorded = timeline.record_step(state, opt.zero_grad, lambda: work.loss(ddp), after)
     recorded["summary"] = timeline.summarize(recorded, functools.partial(node_link_bytes, state), args.link_mbit)
+    every_rank: List[Optional[float]] = [None] * dist.get_world_size()
+    own = timeline.last_hook_unix_s(recorded)
+    dist.all_gather_object(every_rank, own)
+    recorded["summary"]["peers_lag_ms"] = timeline.peers_lag_ms(own, every_rank)
     if dist.get_rank() == 0:
         timeline.save(variant, recorded, Path(args.out_dir) if args.out_dir is not None else None)
     return {f"timeline_{k}": v for k, v in recorded["summary"].items()}
@@ -453,6 +458,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                           "32 with --small)")
     p.add_argument("--blocks", type=int, default=None,
                    help="mlp: residual blocks of width 1024 (default 12: 100.7M parameters; 3: 25.2M)")
+    p.add_argument("--backward-ms", type=float, default=0.0,
+                   help="mlp: the backward sleeps this long in all, split between its layers (a GPU's backward, "
+                        "which leaves the host's cores to the exchange; bench/ddp_models.py)")
     p.add_argument("--small", action="store_true",
                    help="a CPU smoke run: the MLP at width 128 and 2 blocks, GPT-2 at 2 layers and d_model 64")
     p.add_argument("--bucket-view", choices=("both", "off", "on"), default="both",
@@ -489,6 +497,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--seq applies to --model gpt2")
     if args.blocks is not None and (args.model != "mlp" or args.small or args.blocks < 1):
         p.error("--blocks takes a positive count, for --model mlp without --small")
+    if args.backward_ms < 0 or (args.backward_ms and args.model != "mlp"):
+        p.error("--backward-ms takes a non-negative time, for --model mlp")
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be at least 1")
 
@@ -502,7 +512,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cpu_sized and rank == 0:
         progress(f"no GPU: the small {args.model} and {args.steps} steps per variant (give --batch, --seq or "
                  "--blocks for another size)")
-    work = make_workload(args.model, args.small, args.batch, args.seq, device, world, blocks=args.blocks)
+    work = make_workload(args.model, args.small, args.batch, args.seq, device, world, blocks=args.blocks,
+                         backward_ms=args.backward_ms)
     backend = str(dist.get_backend()).lower()
     views = {"both": (False, True), "off": (False,), "on": (True,)}[args.bucket_view]
 
@@ -530,13 +541,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 headers += ["node link MB sent per step", "node link MB received per step"]
             if args.timeline:
                 headers += ["exposed ms (timeline step)", "x last bucket's link-byte time",
-                            "x link-byte time still to cross"]
+                            "x link-byte time still to cross", "a peer's last hook, ms later"]
             table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
                                             r["vs_no_hook"]]
                                            + ([r["node_link_tx_bytes_per_step"] / 1e6,
                                                r["node_link_rx_bytes_per_step"] / 1e6] if args.link_iface else [])
                                            + ([r.get("timeline_exposed_ms"), r.get("timeline_exposed_over_link"),
-                                               r.get("timeline_exposed_over_pending_link")] if args.timeline else [])
+                                               r.get("timeline_exposed_over_pending_link"),
+                                               r.get("timeline_peers_lag_ms")] if args.timeline else [])
                                            for r in rows])
             path = save_json(work.stem, {"env": env, "rows": rows, "notes": notes}, args.out_dir)
             print(f"{env}\n\n{table}\n\nsaved {path}")

@@ -40,7 +40,7 @@ class Recorder:
     seconds) for one step; ``restore`` puts everything back."""
 
     def __init__(self, state: Any) -> None:
-        self.t0 = time.perf_counter()
+        self.t0, self.wall0 = time.perf_counter(), time.time()
         self.lock = threading.Lock()
         self.events: List[Dict[str, Any]] = []
         self.hooks: List[Dict[str, Any]] = []
@@ -129,7 +129,14 @@ def record_step(state: Any, zero_grad: Callable[[], None], forward: Callable[[],
     finally:
         recorder.restore()
     return {"events": sorted(recorder.events, key=lambda e: e["start"]), "hooks": recorder.hooks,
-            "backward_start": start, "backward_end": end}
+            "backward_start": start, "backward_end": end, "origin_unix_s": recorder.wall0}
+
+
+def last_hook_unix_s(recorded: Dict[str, Any]) -> Optional[float]:
+    """When the backward's last bucket reached the hook, in the machine's wall clock (which every rank of the
+    emulated cluster shares), or None."""
+    last = [h["ms"] for h in recorded["hooks"] if h["last"]]
+    return recorded["origin_unix_s"] + last[-1] / 1e3 if last else None
 
 
 def summarize(recorded: Dict[str, Any], node_bytes: Callable[[int], Optional[int]],
@@ -163,6 +170,13 @@ def summarize(recorded: Dict[str, Any], node_bytes: Callable[[int], Optional[int
     if pending:
         out["exposed_over_pending_link"] = out["exposed_ms"] / pending
     return out
+
+
+def peers_lag_ms(own: Optional[float], every_rank: List[Optional[float]]) -> Optional[float]:
+    """How long after this rank the last of ``every_rank`` reached its last hook (``last_hook_unix_s``), in ms: the
+    part of the exposed exchange this rank spent waiting for a peer's backward, not for the exchange."""
+    known = [t for t in every_rank if t is not None]
+    return None if own is None or not known else max(0.0, (max(known) - own) * 1e3)
 
 
 def plot(payload: Dict[str, Any], path: Path) -> Optional[str]:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -104,17 +106,20 @@ def test_ddp_step_two_level_variants_and_link_counters_smoke(tmp_path):
 
 def test_ddp_step_timeline_smoke(tmp_path):
     """--timeline: one recorded step per triton variant, a JSON of its hook calls and stage events (and a PNG where
-    matplotlib is installed), and the exposed exchange in the row and the table."""
+    matplotlib is installed), and the exposed exchange in the row and the table; --backward-ms stalls the backward
+    (the small MLP's own takes a few ms)."""
     stdout, data = run(["bench.ddp_step", "--small", "--steps", "2", "--warmup", "1", "--rounds", "1",
                         "--bucket-view", "off", "--variants", "no_hook,triton_hook_fp8,triton_hook_fp8_whole",
-                        "--timeline", "--link-mbit", "200"], tmp_path, saved_as="ddp_step-*.json")
+                        "--timeline", "--link-mbit", "200", "--backward-ms", "200"], tmp_path,
+                       saved_as="ddp_step-*.json")
+    assert data["env"]["backward_ms"] == 200
     rows = {r["variant"]: r for r in data["rows"]}
     assert "timeline_exposed_ms" not in rows["no_hook"]
     for variant in ("triton_hook_fp8", "triton_hook_fp8_whole"):
         assert rows[variant]["timeline_exposed_ms"] >= 0, rows[variant]
         (saved,) = tmp_path.glob(f"timeline-{variant}-*.json")
         recorded = json.loads(saved.read_text())
-        assert recorded["variant"] == variant and recorded["backward_end"] >= recorded["backward_start"]
+        assert recorded["variant"] == variant and recorded["backward_end"] - recorded["backward_start"] >= 200
         assert [h["last"] for h in recorded["hooks"]][-1] is True
         rows_seen = {e["row"] for e in recorded["events"]}
         assert {"pack", "all_to_all", "all_gather", "unpack"} <= rows_seen, rows_seen  # FP8's stages, staged
@@ -531,3 +536,12 @@ def test_online_tuning_benchmark_smoke(tmp_path):
     assert len(data["losses"]["fp32"]) == 40 <= len(data["losses"]["online"])
     assert data["loss_at_step"]["online"] == data["losses"]["online"][39]
     assert "| local |" in stdout and "loss at step 40: fp32" in stdout
+
+
+def test_timeline_peers_lag_is_the_last_rank_to_reach_its_last_bucket():
+    timeline = _import_bench("timeline")
+    recorded = {"origin_unix_s": 1000.0, "hooks": [{"ms": 5.0, "last": False}, {"ms": 20.0, "last": True}]}
+    assert timeline.last_hook_unix_s(recorded) == 1000.02
+    assert timeline.peers_lag_ms(1000.02, [1000.02, 1000.0, None, 1000.065]) == pytest.approx(45.0)
+    assert timeline.peers_lag_ms(1000.02, [1000.0]) == 0.0  # every peer was earlier: nothing waited for
+    assert timeline.peers_lag_ms(None, [1000.0]) is None
