@@ -25,9 +25,9 @@ hook ("x no hook"): the host's share of a step, gone (CUDA and the MLP only).
 ``--timeline`` records one more step of each triton variant after the timed ones: when each bucket's stages and
 chunks were issued and completed on rank 0, and the exchange exposed after the backward's last operation
 (bench/timeline.py, a JSON and a PNG), with how much later than rank 0 the last of the ranks reached its last bucket
-(the wall clock, shared by the emulated cluster's ranks): what rank 0 then waited for is a peer, not the exchange. ``triton_hook_fp8_2level_whole`` and ``triton_hook_fp8_whole`` are FP8 + error
-feedback, two-level and flat, with every bucket in one piece (``DDP_TRITON_CHUNK_BYTES=0``), beside the variants
-whose large buckets go in chunks.
+(the wall clock, shared by the emulated cluster's ranks): what rank 0 then waited for is a peer, not the exchange.
+``triton_hook_fp8_2level_whole`` and ``triton_hook_fp8_whole`` are FP8 + error feedback, two-level and flat, with
+every bucket in one piece (``DDP_TRITON_CHUNK_BYTES=0``), beside the variants whose large buckets go in chunks.
 
 ``--profile`` times nothing: for one variant at a time (each bucket view), after ``--warmup`` steps and one step of
 the profiler's own warm-up it records ``--steps`` steps (5 unless given; ``--rounds`` does not apply) under

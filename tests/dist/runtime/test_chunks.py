@@ -88,9 +88,9 @@ def _same_bits_worker(rank, world_size, options, chunk_bytes, bucket_cap_mb):
 
 def _check_telemetry(whole_state, cut_state):
     """A chunked bucket's telemetry covers every chunk: its bytes are at least the whole bucket's (each chunk's
-    slots are padded to whole shards: up to 1.4x here, where the chunks are a few blocks each), and its pack and unpack each span all chunks'. The clock is a tick counter here
-    (``_ticking_clock``, a tick per mark taken): a span of K chunks' phases holds at least K - 1 ticks, one chunk's
-    phase 1."""
+    slots are padded to whole shards: up to 1.4x here, where the chunks are a few blocks each), and its pack and
+    unpack each span all chunks'. The clock is a tick counter here (``_ticking_clock``, a tick per mark taken): a
+    span of K chunks' phases holds at least K - 1 ticks, one chunk's phase 1."""
     whole_bytes = whole_state.summary().wire_bytes_per_step
     cut_bytes = cut_state.summary().wire_bytes_per_step
     assert whole_bytes <= cut_bytes <= 1.5 * whole_bytes, (whole_bytes, cut_bytes)

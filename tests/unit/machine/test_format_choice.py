@@ -63,7 +63,7 @@ def test_a_bucket_costs_its_wire_and_its_host_work():
         wire = (cm.two_level_time_us if fmt.two_level else cm.wire_format_time_us)(EMULATED_1GBIT, n, fmt.traffic)
         host = cm.host_time_us(EMULATED_1GBIT, n, fmt, cm.CPU_HOST_COST)
         priced = cm.bucket_time_us(EMULATED_1GBIT, n, name, cm.CPU_HOST_COST)
-        if cm.chunkable(fmt, EMULATED_1GBIT, cm.CPU_HOST_COST):  # FP8 and two levels: at the chunk count the model picks
+        if cm.chunkable(fmt, EMULATED_1GBIT, cm.CPU_HOST_COST):  # FP8, two levels: at the chunk count it picks
             # In one chunk, the stages one after another: the wire and the host work.
             assert cm.chunked_time_us(EMULATED_1GBIT, n, fmt, cm.CPU_HOST_COST, 1) == pytest.approx(wire + host)
             chunks = cm.best_chunk_count(EMULATED_1GBIT, n, fmt, cm.CPU_HOST_COST)
