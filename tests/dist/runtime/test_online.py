@@ -99,24 +99,31 @@ class _Linear(nn.Module):
         return (self.w * x).sum()
 
 
+def _nine_steps(model, rank, world_size, n, wire_now):
+    """Nine SGD steps (lr 1) of ``_Linear`` on each rank's own input: the sum of the averaged gradients, which is
+    what the steps should have applied, and the wire format (``wire_now()``) after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    truth = torch.zeros(n, dtype=torch.float64)
+    seen = []
+    for step in range(9):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
+              range(world_size)]
+        truth += torch.stack(xs).double().mean(0)
+        opt.zero_grad()
+        model(xs[rank]).backward()
+        opt.step()
+        seen.append(wire_now())
+    return truth, seen
+
+
 def _residual_worker(rank, world_size, final):
     online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
     online.decide_format = lambda stats, incumbent=None, tolerance=0.0: _Decision(final)
     n = 3000
     ddp = DDP(_Linear(n), bucket_cap_mb=25)
     state = ddp_triton.register(ddp, formats=["fp32", "fp8e4m3+ef"], **ONLINE)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
-    truth = torch.zeros(n, dtype=torch.float64)
-    seen = []
     fp32, fp8 = telemetry_name("fp32"), telemetry_name("fp8e4m3+ef")
-    for step in range(9):
-        xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
-              range(world_size)]
-        truth += torch.stack(xs).double().mean(0)
-        opt.zero_grad()
-        ddp(xs[rank]).backward()
-        opt.step()
-        seen.append(state.latest_pass()[0].record.wire_format)
+    truth, seen = _nine_steps(ddp, rank, world_size, n, lambda: state.latest_pass()[0].record.wire_format)
     # passes 1-2: fp32, 3-4: FP8, then the decision (the mix is never tried: one format is every bucket's fastest)
     assert seen[1] == fp32 and seen[3] == fp8 and seen[-1] == telemetry_name(final), seen
     applied = -ddp.module.w.detach().double()
@@ -272,17 +279,7 @@ def _fsdp_residual_worker(rank, world_size):
     n = 3000
     model = _fsdp_shard(_Linear(n), world_size)
     state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online", formats=["fp32", "fp8e4m3+ef"])
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    truth = torch.zeros(n, dtype=torch.float64)
-    seen = []
-    for step in range(9):
-        xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
-              range(world_size)]
-        truth += torch.stack(xs).double().mean(0)
-        opt.zero_grad()
-        model(xs[rank]).backward()
-        opt.step()
-        seen.append(state.comms[0].current.wire.name)
+    truth, seen = _nine_steps(model, rank, world_size, n, lambda: state.comms[0].current.wire.name)
     assert seen[1] == "fp32" and seen[3] == "fp8e4m3+ef" and seen[-1] == "fp32", seen
     applied = -model.w.full_tensor().detach().double()
     torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)  # FP8's rounding, handed to the fp32 input
