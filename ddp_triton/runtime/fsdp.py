@@ -129,9 +129,9 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
                              "with async_op=False; a caller that needs a Work should call it so")
         n = dist.get_world_size(group)
         if wire.block_scaled:
-            self._block_fp8(output_tensor, input_tensor, group, n, 1.0 / self._divide_factor(op, n))
+            self._block_fp8(output_tensor, input_tensor, group, n, 1.0 / self.divide_factor(op, n))
             return None
-        pre, post = average_factors(n, wire.comm_dtype, self._divide_factor(op, n))
+        pre, post = average_factors(n, wire.comm_dtype, self.divide_factor(op, n))
         send = torch.empty(input_tensor.numel(), dtype=wire.comm_dtype, device=input_tensor.device)
         run = self.kernels.run
         run(("pack", pre), lambda ts, out: kernels.pack.prepare(ts, out, pre), [input_tensor], send)
@@ -188,7 +188,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if total is not output:
             output.copy_(total)
 
-    def _divide_factor(self, op: Any, n: int) -> float:
+    def divide_factor(self, op: Any, n: int) -> float:
         """What the sum is divided by, from the op FSDP passes."""
         kind = getattr(op, "op", op)
         if kind == dist.ReduceOp.AVG:

@@ -64,9 +64,13 @@ class TunedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
                  host: FSDPTuning) -> None:
         self.comms, self.index, self.tuner, self.host = comms, index, tuner, host
         self.module = next(iter(comms.values())).module
-        self.calls = 0
         self.current: Optional[Any] = None
         """The format's reduce-scatter of the latest call (FP8's residuals live there)."""
+
+    @property
+    def calls(self) -> int:
+        """Reduce-scatters run, in every format."""
+        return sum(comm.calls for comm in self.comms.values())
 
     @property
     def residual(self) -> Optional[torch.Tensor]:
@@ -87,7 +91,6 @@ class TunedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Optional[Any]:
-        self.calls += 1
         self.host.called(self.index)
         self.tuner.before_call(self.host, self.index, input_tensor.numel(), input_tensor.is_cuda)
         name = self.tuner.format_of(self.index) or next(iter(self.comms))
@@ -109,4 +112,4 @@ class TunedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if comm.wire.error_feedback:
             comm.residual = owed
         else:  # FP8's residuals are in units of the scaled input (input / the divide factor)
-            input_tensor.add_(owed.mul(comm._divide_factor(op, n)).to(input_tensor.dtype))
+            input_tensor.add_(owed.mul(comm.divide_factor(op, n)).to(input_tensor.dtype))
