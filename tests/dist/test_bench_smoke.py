@@ -116,11 +116,14 @@ def test_ddp_step_timeline_smoke(tmp_path):
     rows = {r["variant"]: r for r in data["rows"]}
     assert "timeline_exposed_ms" not in rows["no_hook"]
     for variant in ("triton_hook_fp8", "triton_hook_fp8_whole"):
-        assert rows[variant]["timeline_exposed_ms"] >= 0, rows[variant]
         (saved,) = tmp_path.glob(f"timeline-{variant}-*.json")
         recorded = json.loads(saved.read_text())
         assert recorded["variant"] == variant and recorded["backward_end"] - recorded["backward_start"] >= 200
         assert [h["last"] for h in recorded["hooks"]][-1] is True
+        # the row's exposed exchange is the JSON's: from the last bucket's hook call to the backward's return
+        exposed = recorded["backward_end"] - recorded["hooks"][-1]["ms"]
+        assert 0 < exposed < recorded["backward_end"] - recorded["backward_start"]
+        assert rows[variant]["timeline_exposed_ms"] == pytest.approx(exposed), rows[variant]
         rows_seen = {e["row"] for e in recorded["events"]}
         assert {"pack", "all_to_all", "all_gather", "unpack"} <= rows_seen, rows_seen  # FP8's stages, staged
     assert "exposed ms (timeline step)" in stdout
