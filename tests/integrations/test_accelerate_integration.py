@@ -19,12 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddp_triton
 from ddp_helpers import make_model
 from dist_utils import run_workers
+from framework_import import import_installed
 from ddp_triton.runtime.algo_groups import scoped_env
 
-try:
-    import accelerate  # noqa: F401
-except ImportError:  # missing, or broken in this environment: either way this tier cannot run
-    accelerate = None
+accelerate = import_installed("accelerate")
 pytestmark = pytest.mark.skipif(accelerate is None, reason="Accelerate is not installed (pip install accelerate)")
 
 WORLD = 2

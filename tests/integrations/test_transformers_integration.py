@@ -17,12 +17,14 @@ import torch
 
 from dist_utils import run_workers
 from ddp_triton.runtime.algo_groups import scoped_env
+from framework_import import import_installed
 
-try:
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-except ImportError:  # missing, or broken in this environment: either way this tier cannot run
-    transformers = None
+transformers = import_installed("transformers")
+if transformers is not None:  # its Trainer, with the checkout's root out of the way (framework_import.py)
+    trainer = import_installed("transformers.trainer")
+    GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
+    Trainer, TrainerCallback, TrainingArguments = trainer.Trainer, transformers.TrainerCallback, \
+        transformers.TrainingArguments
 pytestmark = pytest.mark.skipif(transformers is None, reason="Transformers is not installed (pip install transformers)")
 
 WORLD = 2
