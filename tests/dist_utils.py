@@ -1,14 +1,16 @@
 """Run a function on N real processes joined by a gloo process group, and bring failures back to the test.
 
 Each worker gets its own process, a FileStore in a fresh temporary directory (no port to collide with), and runs
-``fn(rank, world_size, *args)``. Workers are forked from a server process that has imported torch once
-(``worker_context``): a spawned worker would spend seconds importing torch, most of a short test. They start with
-the test's environment and working directory as they were at the call, and unpickle ``fn`` and its arguments only
-then, so that what reads the environment at import (Triton's interpreter switch, read when kernels are decorated)
-sees the test's values, as a freshly spawned process would. With ``init=False`` the worker starts without a
-process group, so ``fn`` can build things before one exists; it joins the group with ``init_gloo(rank, world_size)``. A worker's exception is re-raised in the test with
-its traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI; a worker
-that dies without reporting (a crash) fails the test too.
+``fn(rank, world_size, *args)``. Workers are forked from a server process that has imported torch, Triton, DDP,
+FSDP and this project once (``start``): a spawned worker would spend seconds importing them, most of a short test.
+Triton and the project's kernels read the interpreter switch (TRITON_INTERPRET) when kernels are decorated, so a
+worker is forked from the server that imported them with the test's value of it. Workers start with the test's
+environment and working directory as they were at the call, and unpickle ``fn`` and its arguments only then.
+
+With ``init=False`` the worker starts without a process group, so ``fn`` can build things before one exists; it
+joins the group with ``init_gloo(rank, world_size)``. A worker's exception is re-raised in the test with its
+traceback; a worker that hangs is killed at ``timeout`` and the test fails instead of hanging CI; a worker that
+dies without reporting (a crash) fails the test too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from multiprocessing import forkserver
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -32,16 +35,56 @@ class WorkerError(AssertionError):
 
 _STORE_ENV = "DDPT_TEST_STORE"
 
-# Imported by the fork server before any worker exists. Only modules that read no setting a test changes: torch
-# imports neither Triton nor this project, whose kernels read TRITON_INTERPRET when they are decorated.
-_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.multiprocessing", "numpy", "pytest"]
+# Imported by each fork server before any worker exists: torch's heavy modules, Triton and the project. Triton and
+# the project's kernels read TRITON_INTERPRET when kernels are decorated, so there are two servers, one with the
+# interpreter off (the CPU path of production, most workers) and one with it on; nothing else here reads a setting
+# a test changes.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.nn.parallel", "torch.multiprocessing",
+            "torch.distributed.fsdp", "numpy", "pytest", "triton",
+            "ddp_triton.runtime.hook", "ddp_triton.runtime.fsdp", "ddp_triton.runtime.clip"]
+_SERVERS: Dict[bool, forkserver.ForkServer] = {}
 
 
 def worker_context():
-    """The multiprocessing context workers start from: forked from a server that has imported torch once."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    """The multiprocessing context of the workers; start them with :func:`start`."""
+    return mp.get_context("forkserver")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _server(interpreted: bool) -> forkserver.ForkServer:
+    """The fork server that imported the project with Triton's interpreter on (``interpreted``) or off, started on
+    first use and kept for the test session."""
+    if interpreted not in _SERVERS:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(_PRELOAD)
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
+        try:
+            server.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        _SERVERS[interpreted] = server
+    return _SERVERS[interpreted]
+
+
+def start(procs: List[Any]) -> None:
+    """Start ``procs`` (of :func:`worker_context`) forked from the server whose imports match the test's
+    TRITON_INTERPRET, as freshly spawned processes would import. multiprocessing asks its module-level server for
+    each new process; it is pointed at ours while they start."""
+    server = _server(_interpreted())
+    default = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        forkserver.connect_to_new_process = default
 
 
 def start_as_the_test_left_off(env: dict, cwd: str, payload: bytes) -> Any:
@@ -104,8 +147,7 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, results, test_state), daemon=True)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        start(procs)
         failures, reported = [], set()
         deadline = time.monotonic() + timeout
         try:

@@ -33,7 +33,7 @@ from ddp_triton.runtime.collective_errors import collective_error
 from ddp_triton.runtime.exchange import ExchangeQueue, Stage, StagedExchange
 from ddp_triton.runtime.plan import Plan
 from ddp_triton.runtime.telemetry import BucketRecord
-from dist_utils import call_as_the_test_left_off, snapshot, worker_context
+from dist_utils import call_as_the_test_left_off, snapshot, start, worker_context
 
 KILL_AT_STEP = 10
 # A survivor's step must raise within this long of the peer's death (or of the step's start, for the formats it runs
@@ -236,8 +236,7 @@ def test_survivors_stop_with_a_clear_message_when_a_peer_is_killed(world_size, d
         procs = [ctx.Process(target=call_as_the_test_left_off,
                              args=(snapshot(_train_until_peer_dies, (r, *args)), results), daemon=True)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        start(procs)
         reports, done = {}, set()
         deadline = time.monotonic() + RUN_SECONDS
         try:
