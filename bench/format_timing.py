@@ -29,7 +29,8 @@ from bench.common import format_table, write_json  # noqa: E402
 from ddp_triton.machine import cost_model as cm  # noqa: E402
 from ddp_triton.machine.profile import (FormatRow, Profile, TableEntry, admitted_formats, format_bytes,  # noqa: E402
                                         format_choice)
-from ddp_triton.tune.format_timing import MAX_ROUNDS, time_formats  # noqa: E402
+from ddp_triton.machine.profile import MAX_ROUNDS  # noqa: E402
+from ddp_triton.tune.format_timing import time_formats  # noqa: E402
 
 DEFAULT_FORMATS = "fp32,bf16,bf16+fp32sum,fp8e4m3+ef,two-level bf16,two-level fp8e4m3+ef"
 DEFAULT_SIZES = "262144,1048576,4194304,16777216"

@@ -23,12 +23,11 @@ from ..machine import cost_model as cm
 from ..machine import profile as profiles
 from ..machine.cost_model import default_sizes
 from ..machine.profile import MiB as MIB
-from ..machine.profile import Profile, ProfileError
+from ..machine.profile import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, Profile, ProfileError
 from ..machine.topology import TopologyError, apply_launch_env, load_topology
 from ..runtime.algo_groups import check_nccl_support
 from ..tune import autotune as tuner
 from ..tune import processes
-from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR
 from ..tune.processes import under_torchrun
 from ..tune.step_timing import E2E_HOOKS, load_factory
 from ..versions import nccl_version

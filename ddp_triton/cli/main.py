@@ -17,9 +17,9 @@ from typing import NoReturn, Optional, Sequence
 
 from .. import __version__
 from ..envinfo import collect_env, format_env
-from ..machine.profile import CONFIDENCE, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET, Profile, ProfileError
+from ..machine.profile import (CONFIDENCE, DEFAULT_BUDGET_S, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET,
+                               DEFAULT_REL_ERROR, MIN_ROUNDS, Profile, ProfileError)
 from ..machine.topology import PRESETS, TopologyError, load_topology
-from ..tune.format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MIN_ROUNDS
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
                    nonneg_float, nonneg_int, parse_size, positive_float, positive_int)
 

@@ -15,15 +15,16 @@ import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
 from ..machine import cost_model as cm
-from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS, FormatChoice,
-                               FormatRow, Profile, admitted_formats, calibrate, fallback_profile, find_cached_profile,
-                               format_bytes, format_choice, model_profile, now_iso, profile_fingerprint,
-                               profile_from_rows, rows_for_dtype, save_to_cache)
+from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_BUDGET_S, DEFAULT_FRACTION, DEFAULT_MIN_BUCKETS,
+                               DEFAULT_REL_ERROR, MAX_ROUNDS, MIN_ROUNDS, FormatChoice, FormatRow, Profile,
+                               admitted_formats, calibrate, fallback_profile, find_cached_profile, format_bytes,
+                               format_choice, model_profile, now_iso, profile_fingerprint, profile_from_rows,
+                               rows_for_dtype, save_to_cache)
 from ..machine.topology import Topology
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
 from .step_timing import E2E_HOOKS, run_e2e
-from .format_timing import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MAX_ROUNDS, MIN_ROUNDS, node_count, time_formats
+from .format_timing import node_count, time_formats
 from .sweep import run_sweep
 
 #: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".

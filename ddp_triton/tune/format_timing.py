@@ -23,22 +23,12 @@ import torch.distributed as dist
 
 from ..formats import WireFormat, canonical_name
 from ..machine import cost_model as cm
-from ..machine.profile import median_interval, runs_flat
+from ..machine.profile import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MAX_ROUNDS, MIN_ROUNDS, median_interval, runs_flat
 from ..runtime.algo_groups import collective_device, gather_text
 from ..runtime.nodes import node_name, partition
 from ..runtime.state import CommState
 from .processes import agree_on_plan
 from .progress import Progress
-
-#: Timed rounds per bucket size: at least MIN_ROUNDS (five samples: a median interval of min..max, 94% coverage),
-#: at most MAX_ROUNDS (the interval on the median of 100 is the 40th to the 61st sample).
-MIN_ROUNDS = 5
-MAX_ROUNDS = 100
-#: A size's rounds stop once every format's median is known within this fraction (the interval's half-width).
-DEFAULT_REL_ERROR = 0.05
-#: Seconds the timings of all sizes may take together (each size still gets its warm-up and first MIN_ROUNDS).
-DEFAULT_BUDGET_S = 60.0
-
 
 class _Bucket:
     """What binding a bucket (``CommState.plan_for``) reads of DDP's GradBucket: one tensor's gradients as the whole

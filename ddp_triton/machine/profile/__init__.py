@@ -14,8 +14,8 @@ from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BU
                     check_calibration_fits, choose_bucket_cap_mb, fallback_profile, model_profile, node_fingerprint,
                     profile_from_choice, profile_from_rows, rows_for_dtype)
 from .cache import cache_dir, cache_path, check_cache_writable, find_cached_profile, profile_fingerprint, save_to_cache
-from .format_rule import (CONFIDENCE, TimingStats, choose_format, decide_format, median_interval,
-                          significantly_faster)
+from .format_rule import (CONFIDENCE, DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, MAX_ROUNDS, MIN_ROUNDS, TimingStats,
+                          choose_format, decide_format, median_interval, significantly_faster)
 from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, admitted_formats, choose_formats,
                       format_choice, model_format_choice, ring_error, runs_flat)
 from .rows import FormatChoice, FormatRange, FormatRow, SweepRow, TableEntry
@@ -25,6 +25,10 @@ from .schema import (AUTO_FORMAT, DEFAULT_MIN_BUCKETS, MiB, Profile, ProfileErro
 __all__ = [
     "AUTO_FORMAT",
     "CONFIDENCE",
+    "DEFAULT_BUDGET_S",
+    "DEFAULT_REL_ERROR",
+    "MAX_ROUNDS",
+    "MIN_ROUNDS",
     "TimingStats",
     "choose_format",
     "decide_format",

@@ -29,6 +29,17 @@ CONFIDENCE = 0.95
 #: intervals from many quiet samples can be narrower than any difference worth a less accurate format.
 SWITCH_TOLERANCE = 0.03
 
+#: How many timings of each format the rule gets per bucket size (``tune.format_timing``): at least MIN_ROUNDS (five
+#: samples: a median interval of min..max, 94% coverage), at most MAX_ROUNDS (the interval on the median of 100 is
+#: the 40th to the 61st sample).
+MIN_ROUNDS = 5
+MAX_ROUNDS = 100
+#: A size's rounds stop once every format's median is known within this fraction (the interval's half-width).
+DEFAULT_REL_ERROR = 0.05
+#: Seconds the timings of all sizes may take together (each size still gets its warm-up and first MIN_ROUNDS).
+DEFAULT_BUDGET_S = 60.0
+
+
 @dataclass(frozen=True)
 class TimingStats:
     """A format's timings at one bucket size: the median and the interval on it, microseconds."""

@@ -25,6 +25,18 @@ from ddp_triton.machine.profile import Profile, TableEntry, cache_path
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_the_commands_that_only_read_start_without_torch(env, tmp_path):
+    # topo and profile show answer in a fraction of a second; importing torch (and Triton) would take seconds.
+    profile = tmp_path / "p.json"
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--out", str(profile), "--no-cache"]) == 0
+    code = ("import sys; from ddp_triton.cli import main\n"
+            f"for argv in (['topo', '--topology', 'dgx-h100'], ['profile', 'show', {str(profile)!r}]):\n"
+            "    assert main(argv) == 0, argv\n"
+            "    assert not {'torch', 'triton'} & set(sys.modules), (argv, {'torch', 'triton'} & set(sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_topo(env, capsys):
     r = cli(env, "topo", "--topology", "dgx-h100")
     assert r.returncode == 0, r.stderr
@@ -91,8 +103,7 @@ def test_profile_show(env, tmp_path, capsys):
 @pytest.mark.parametrize("version", [pytest.param(1, id="schema-1"), pytest.param(2, id="schema-2")])
 def test_a_profile_of_an_older_schema_is_one_line_and_exit_2(env, tmp_path, version):
     good = tmp_path / "p.json"
-    assert cli(env, "autotune", "--model-only", "--topology", "dgx-h100", "--out", str(good), "--no-cache",
-               "--json").returncode == 0
+    assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--out", str(good), "--no-cache"]) == 0
     # As the file was written before the schema had calibrations (1) and wire formats (2).
     dropped = ("calibration", "formats") if version == 1 else ("formats",)
     old = {k: v for k, v in json.loads(good.read_text()).items() if k not in dropped}
