@@ -40,7 +40,7 @@ _STORE_ENV = "DDPT_TEST_STORE"
 # interpreter off (the CPU path of production, most workers) and one with it on; nothing else here reads a setting
 # a test changes.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.nn.parallel", "torch.multiprocessing",
-            "torch.distributed.fsdp", "numpy", "pytest", "triton",
+            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "triton",
             "ddp_triton.runtime.hook", "ddp_triton.runtime.fsdp", "ddp_triton.runtime.clip"]
 _SERVERS: Dict[bool, forkserver.ForkServer] = {}
 
