@@ -46,13 +46,14 @@ def test_two_runs_on_a_busy_machine_choose_the_same_formats(env, tmp_path):
         assert any("in place of two-level fp8e4m3+ef" in n for n in p.formats.notes)
         assert all(row.interval_us is not None and row.samples >= 5 for row in p.formats.rows)
     chosen = [(first.format_for(s), second.format_for(s)) for s in sizes]
-    same = sum(a == b for a, b in chosen) / len(sizes)
-    assert same >= 0.9, _table(first, second, sizes)
-    for size, (a, b) in zip(sizes, chosen):
-        if a != b:  # within the noise: in one of the runs at least, neither beat the other beyond it
-            stats = [{r.format: r.stats for r in p.formats.rows if r.nbytes == size} for p in (first, second)]
-            assert any(not significantly_faster(s[a], s[b]) and not significantly_faster(s[b], s[a])
-                       for s in stats), _table(first, second, sizes)
+    differ = [(size, a, b) for size, (a, b) in zip(sizes, chosen) if a != b]
+    # Alike: at most one size of the three differs (the burner's load drifts, and a twin can then look faster beyond
+    # the noise in one run), and only where, in one of the runs at least, neither format beat the other beyond it.
+    assert len(differ) <= 1, _table(first, second, sizes)
+    for size, a, b in differ:
+        stats = [{r.format: r.stats for r in p.formats.rows if r.nbytes == size} for p in (first, second)]
+        assert any(not significantly_faster(s[a], s[b]) and not significantly_faster(s[b], s[a])
+                   for s in stats), _table(first, second, sizes)
 
 
 def _table(first: Profile, second: Profile, sizes: list) -> str:
