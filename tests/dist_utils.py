@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
 from multiprocessing import forkserver
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,17 @@ class WorkerError(AssertionError):
 _STORE_ENV = "DDPT_TEST_STORE"
 
 # Imported by each fork server before any worker exists: torch's heavy modules, Triton and the project. Triton and
-# the project's kernels read TRITON_INTERPRET when kernels are decorated, so there are two servers, one with the
-# interpreter off (the CPU path of production, most workers) and one with it on; nothing else here reads a setting
-# a test changes.
+# the project's kernels read TRITON_INTERPRET when kernels are decorated, so there is a server per value of it the
+# tests use (most workers run with "0", the CPU path of production); nothing else here reads a setting a test
+# changes.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.nn.parallel", "torch.multiprocessing",
             "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "triton",
             "ddp_triton.runtime.hook", "ddp_triton.runtime.fsdp", "ddp_triton.runtime.clip"]
-_SERVERS: Dict[bool, forkserver.ForkServer] = {}
+_SETTING = "TRITON_INTERPRET"
+_SERVERS: Dict[Optional[str], forkserver.ForkServer] = {}
+
+#: In a worker: the modules it had when it started, before the test's function was unpickled (its server's preload).
+PRELOADED: frozenset = frozenset()
 
 
 def worker_context():
@@ -50,34 +55,32 @@ def worker_context():
     return mp.get_context("forkserver")
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _server(interpreted: bool) -> forkserver.ForkServer:
-    """The fork server that imported the project with Triton's interpreter on (``interpreted``) or off, started on
+def _server(setting: Optional[str]) -> forkserver.ForkServer:
+    """The fork server that imported the project with TRITON_INTERPRET at ``setting`` (None: unset), started on
     first use and kept for the test session."""
-    if interpreted not in _SERVERS:
+    if setting not in _SERVERS:
         server = forkserver.ForkServer()
         server.set_forkserver_preload(_PRELOAD)
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
+        saved = os.environ.pop(_SETTING, None)
+        if setting is not None:
+            os.environ[_SETTING] = setting
         try:
             server.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
-        _SERVERS[interpreted] = server
-    return _SERVERS[interpreted]
+            os.environ.pop(_SETTING, None)
+            if saved is not None:
+                os.environ[_SETTING] = saved
+        _SERVERS[setting] = server
+    return _SERVERS[setting]
 
 
 def start(procs: List[Any]) -> None:
-    """Start ``procs`` (of :func:`worker_context`) forked from the server whose imports match the test's
-    TRITON_INTERPRET, as freshly spawned processes would import. multiprocessing asks its module-level server for
-    each new process; it is pointed at ours while they start."""
-    server = _server(_interpreted())
+    """Start ``procs`` (of :func:`worker_context`) forked from the server that imported the project with the test's
+    TRITON_INTERPRET, as freshly spawned processes would import it.
+
+    multiprocessing forks each new process through its module-level server, looking the function up at each start
+    (the same from Python 3.9 to 3.14, though internal); it is pointed at ours while these start."""
+    server = _server(os.environ.get(_SETTING))
     default = forkserver.connect_to_new_process
     forkserver.connect_to_new_process = server.connect_to_new_process
     try:
@@ -90,6 +93,8 @@ def start(procs: List[Any]) -> None:
 def start_as_the_test_left_off(env: dict, cwd: str, payload: bytes) -> Any:
     """In a worker: take the test's environment and working directory and one intra-op thread (N workers share a
     few cores: more threads would spin on each other), then unpickle what ``payload`` holds."""
+    global PRELOADED
+    PRELOADED = frozenset(sys.modules)
     torch.set_num_threads(1)
     os.environ.clear()
     os.environ.update(env)

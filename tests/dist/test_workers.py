@@ -14,14 +14,18 @@ from interpreter import interpreter_problem
 
 
 def _kernels_interpreted(rank, world_size, expected):
-    from ddp_triton.kernels import uses_triton
+    import dist_utils
+    from ddp_triton.kernels import convert, uses_triton
 
-    assert uses_triton(torch.device("cpu")) == expected, f"interpreted kernels: expected {expected}"
+    assert "ddp_triton.kernels" in dist_utils.PRELOADED, "the worker's server did not import the project"
+    assert uses_triton(torch.device("cpu")) == expected, f"the project's switch: expected {expected}"
+    interpreted = type(convert._contiguous_convert_kernel).__name__ == "InterpretedFunction"
+    assert interpreted == expected, f"Triton's decoration: expected {expected}"
 
 
 @pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
 def test_workers_run_the_kernels_as_the_test_set_the_interpreter():
-    for setting, interpreted in [("0", False), ("1", True), ("0", False), ("", False), ("1", True)]:
+    for setting, interpreted in [("0", False), ("1", True), ("0", False), (None, False), ("1", True)]:
         with scoped_env({"TRITON_INTERPRET": setting}):
             run_workers(_kernels_interpreted, 2, interpreted)
     with scoped_env({"TRITON_INTERPRET": "1"}), pytest.raises(WorkerError, match="expected False"):
