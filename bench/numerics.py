@@ -23,7 +23,7 @@ Schemes (the averaged gradient against the float64 mean of the same float32 grad
   over each node's ranks in rank order (NCCL's intra-node reduce-scatter is a ring; in float32 the order changes
   the last bits only), then the node sums exchanged between the N/8 nodes as the flat scheme does between ranks,
   without a second division: bf16 in NCCL's ring order, bf16 with float32 sums, FP8 E4M3 with blocks that follow
-  the tensors inside each of the 8 parts of the bucket (``runtime.two_level.part_length``). At N <= 8, one node:
+  the tensors inside each of the 8 parts of the bucket (``cost_model.two_level_part``). At N <= 8, one node:
   the flat scheme, as the runtime falls back to.
 - ``fp8e4m3``, ``fp8e5m2``: block-scaled FP8, blocks of 128 cut per tensor, power-of-two scale per block;
   ``g * (1/N)`` quantized, dequantized and summed in float32 in rank order, the sum requantized (one step, no
@@ -75,7 +75,7 @@ from ddp_triton.kernels import torch_wire  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES  # noqa: E402
 from ddp_triton.formats import average_factors  # noqa: E402
 from ddp_triton.runtime.chunks import pieces_within  # noqa: E402
-from ddp_triton.runtime.two_level import part_length  # noqa: E402
+from ddp_triton.machine.cost_model import two_level_part  # noqa: E402
 
 
 #: (name, elements, scale). 10,138 elements: N = 1024 ranks are 10M float32 values, which the FP8 pipeline
@@ -279,7 +279,7 @@ def node_sums(x: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
 def two_level_pieces(sizes: Sequence[int], ranks_per_node: int) -> List[int]:
     """The tensors' pieces inside each of the bucket's parts, in order: the FP8 blocks of a two-level exchange."""
     n = sum(sizes)
-    part = part_length(n, ranks_per_node)
+    part = two_level_part(n, ranks_per_node)
     return [size for j in range(ranks_per_node) for size in pieces_within(sizes, min(j * part, n),
                                                                             min((j + 1) * part, n))]
 

@@ -53,6 +53,10 @@ class Stage(NamedTuple):
     """The process group the collective runs on: the queue issues each group's collectives in bucket order."""
 
 
+def nothing() -> None:
+    """A computation with nothing to do: a stage's or an exchange's, where the step is not needed."""
+
+
 class StagedExchange:
     """One bucket's exchange as stages, each a computation and a collective, and the last computation: the first
     stage runs when the bucket is started, the others once the collective before has finished, and ``finish``

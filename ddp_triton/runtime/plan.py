@@ -30,7 +30,7 @@ from ..formats import WireFormat
 from .collective_errors import collective_error
 from .context import Context
 from .chunks import chunk_count
-from .exchange import ChunkedExchange, ExchangeQueue, StagedExchange
+from .exchange import ChunkedExchange, ExchangeQueue, StagedExchange, nothing
 from .grad_stats import BucketCoverage, new_stats
 from .residuals import LayoutResiduals
 from .telemetry import BucketRecord, Watch, wire_name
@@ -202,9 +202,9 @@ def _all_reduce(buffer: torch.Tensor, index: Optional[int], wire: WireFormat, ct
     if not wire.sharded and collective_averages(ctx.backend, buffer.is_cuda, comm_dtype, buffer.dtype, algorithm):
         # The collective's own averaging: no kernel at all on either side; with grad_stats, a stats pass (the
         # unpack in place at scale 1: one read and one write, where giving up AVG would cost two of each).
-        unpack = _nothing if stats is None else _stats_pass(buffer, stats)
+        unpack = nothing if stats is None else _stats_pass(buffer, stats)
         record = BucketRecord(index, wire_name(comm_dtype) + " (AVG)", {wire_name(comm_dtype): _bytes(buffer)}, 1)
-        return all_reduce_exchange(buffer, buffer, group, dist.ReduceOp.AVG, _nothing, unpack), record, algorithm
+        return all_reduce_exchange(buffer, buffer, group, dist.ReduceOp.AVG, nothing, unpack), record, algorithm
     wire_buffer = buffer if comm_dtype == buffer.dtype else torch.empty(buffer.numel(), dtype=comm_dtype,
                                                                          device=buffer.device)
     # A NaN is a NaN to the hook (NCCL's and gloo's sums make NaNs of their own bits anyway): on CPU tensors, no pass
@@ -217,10 +217,6 @@ def _all_reduce(buffer: torch.Tensor, index: Optional[int], wire: WireFormat, ct
     name = wire.name if wire.sharded else wire_name(comm_dtype)
     record = BucketRecord(index, name, {name: _bytes(wire_buffer)}, 1)
     return all_reduce_exchange(buffer, wire_buffer, group, dist.ReduceOp.SUM, pack, unpack), record, algorithm
-
-
-def _nothing() -> None:
-    return None
 
 
 def _stats_pass(buffer: torch.Tensor, stats: torch.Tensor) -> Callable[[], None]:

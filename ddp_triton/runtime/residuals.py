@@ -147,10 +147,7 @@ class ResidualStore:
         found = self.layouts.get(params)
         if found is not None and found.sizes == sizes:
             return found  # (other sizes: the ids belong to new parameters now; the old layout overlaps, retired)
-        mine = set(params)
-        overlapping = [held for held in self.layouts.values() if mine.intersection(held.params)]
-        if overlapping:
-            self._retire(overlapping, group)
+        self._retire_overlapping(params, group)
         span = (0, sum(sizes)) if span is None else span
         shard = dist.get_rank(group) if shard is None else shard
         layouts = tuple(layouts)
@@ -159,7 +156,7 @@ class ResidualStore:
                              device=device)
         held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
-            first_values, second_values = self._take_pending(held, device)
+            first_values, second_values = self._take_pending(params, sizes, device)
             if node_group is not None:  # every element's first stage is held by one rank of the node (or none)
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
@@ -178,12 +175,24 @@ class ResidualStore:
         first stages, after retiring the layouts that held them (itself collective). Collective when this store
         holds anything for these parameters, which every rank decides alike (the same buckets, layouts and loads).
         """
+        self._retire_overlapping(params, group)
+        if not any(p in self.pending_first or p in self.pending_second for p in params):
+            return None
+        first, second = self._take_pending(params, sizes, device)
+        run_collective("all_reduce", _MOVE, dist.all_reduce, first, group=group)
+        return first.add_(second)
+
+    def _retire_overlapping(self, params: Tuple[int, ...], group: Any) -> None:
+        """Retire the layouts that hold any of ``params`` (collective over ``group`` when there are any)."""
         mine = set(params)
         overlapping = [held for held in self.layouts.values() if mine.intersection(held.params)]
         if overlapping:
             self._retire(overlapping, group)
-        if not any(p in self.pending_first or p in self.pending_second for p in params):
-            return None
+
+    def _take_pending(self, params: Tuple[int, ...], sizes: Tuple[int, ...],
+                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pending residuals of ``params`` (of ``sizes`` elements), in bucket order (zero where none), taken out
+        of pending: the first stage's and the second's."""
         first = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         second = torch.zeros_like(first)
         start = 0
@@ -193,18 +202,6 @@ class ResidualStore:
                 if taken is not None:
                     values[start:start + size].copy_(taken)
             start += size
-        run_collective("all_reduce", _MOVE, dist.all_reduce, first, group=group)
-        return first.add_(second)
-
-    def _take_pending(self, held: LayoutResiduals, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The pending residuals of ``held``'s parameters, in bucket order (zero where none), taken out of pending."""
-        first = torch.zeros(held.n_elements, dtype=torch.float32, device=device)
-        second = torch.zeros_like(first)
-        for (param, part), size in zip(held.slices(), held.sizes):
-            for pending, values in ((self.pending_first, first), (self.pending_second, second)):
-                taken = _pop_pending(pending, param, size)
-                if taken is not None:
-                    values[part].copy_(taken)
         return first, second
 
     def _retire(self, layouts: List[LayoutResiduals], group: Any) -> None:

@@ -1,7 +1,7 @@
 """The two-level exchange of a bucket: reduced inside the node uncompressed, compressed only between nodes.
 
-With L ranks on each of M nodes (``nodes.py``), per bucket of n elements, cut into L parts of ``part_length(n, L)``
-elements (a whole number of FP8 blocks, the last parts zero-padded):
+With L ranks on each of M nodes (``nodes.py``), per bucket of n elements, cut into L parts of
+``two_level_part(n, L)`` elements (the cost model's rule: a whole number of FP8 blocks, the last parts zero-padded):
 
 1. pack: the bucket times the pre-division factor, into a send buffer of L parts in the bucket's own dtype;
    reduce-scatter inside the node: local rank j gets the node's sum of part j, summed in the bucket's dtype.
@@ -35,24 +35,14 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..formats import WireFormat
+from ..machine.cost_model import two_level_part
 from ..kernels import BlockLayout
-from ..kernels.fp8 import BLOCK_ELEMENTS
 from .chunks import boundaries, cuts, element_boundaries, pieces_within
-from .exchange import ChunkedExchange, Stage, StagedExchange
+from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
 from .wire_exchanges import ShardedExchange, all_gather_into, block_fp8_exchange, float32_sum_exchange
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import IN_NODE, wire_name
-
-
-def part_length(n: int, local_size: int) -> int:
-    """Elements in each of the L parts of a bucket of ``n``: a whole number of blocks, at least one block."""
-    blocks = -(-n // BLOCK_ELEMENTS)
-    return max(1, -(-blocks // local_size)) * BLOCK_ELEMENTS
-
-
-def _nothing() -> None:
-    return None
 
 
 def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tuple[int, ...], wire: WireFormat,
@@ -68,7 +58,7 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
     feedback when residuals move from an earlier layout.
     """
     n, local, me = buffer.numel(), nodes.local_size, nodes.local_index
-    part = part_length(n, local)
+    part = two_level_part(n, local)
     lengths = [min(n, (j + 1) * part) - min(n, j * part) for j in range(local)]
     if wire.block_scaled:
         allowed = [boundaries(kernels.block_layout(pieces_within(sizes, j * part, j * part + length), 1))
@@ -108,7 +98,7 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
         exchange, held, _ = built[0]
         exchange.held = (send, shard, *held)
         return exchange, residuals, pass_bytes
-    finish = _nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
+    finish = nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
     cross_held = [t for _, held, _ in built for t in held]
     chunked = ChunkedExchange(buffer, [exchange for exchange, _, _ in built], finish,
                               (send, shard, *cross_held, *(() if rows is None else (rows,))))
@@ -154,7 +144,7 @@ def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
     if nodes.reduce_scatter:
         first = Stage("pack", pack, "reduce_scatter", lambda: reduce_scatter_single(shard, send, node_group),
                       node_group)
-        take_part: Callable[[], None] = _nothing
+        take_part: Callable[[], None] = nothing
     else:  # the node's sum by an all-reduce of the whole send buffer; this rank's part is copied out of it
         first = Stage("pack", pack, "all_reduce", lambda: dist.all_reduce(send, group=node_group, async_op=True),
                       node_group)
@@ -175,7 +165,7 @@ def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
                                        collective_phase="cross_" + stage.collective_phase) for stage in cross.stages]
         cross_finish, cross_held, cross_bytes = cross.finish, cross.held, cross.collective_bytes()[0]
     cross_stages[0] = cross_stages[0]._replace(compute=_in_order(
-        [call for call in (take_part, cross_stages[0].compute) if call is not _nothing]))
+        [call for call in (take_part, cross_stages[0].compute) if call is not nothing]))
     gather = Stage("cross_unpack", cross_finish, "all_gather",
                    lambda: all_gather_into(send, shard, group=gather_group, async_op=True), gather_group)
     return StagedExchange(buffer, [first, *cross_stages, gather], unpack, ()), tuple(cross_held), cross_bytes
@@ -201,7 +191,7 @@ def _cross_all_reduce(shard: torch.Tensor, wire: WireFormat, cross_group: Any, p
     in_place = wire.comm_dtype == shard.dtype
     on_wire = shard if in_place else torch.empty(shard.numel(), dtype=wire.comm_dtype, device=shard.device)
     part = [shard]
-    cross_pack = _nothing if in_place else kernels.pack.prepare(part, on_wire, 1.0, canonical_nan=False).fixed(
+    cross_pack = nothing if in_place else kernels.pack.prepare(part, on_wire, 1.0, canonical_nan=False).fixed(
         part, on_wire)
     stage = Stage("cross_pack", cross_pack, "cross_all_reduce",
                   lambda: dist.all_reduce(on_wire, group=cross_group, async_op=True), cross_group)

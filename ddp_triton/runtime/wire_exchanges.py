@@ -27,7 +27,7 @@ from ..formats import WireFormat
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import ROW_BYTES
 from .chunks import boundaries, cuts, pieces_within
-from .exchange import ChunkedExchange, Stage, StagedExchange
+from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
 
@@ -157,10 +157,6 @@ def chunked_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, offsets: Sequen
     chunks = [block_fp8_exchange(buffer[a:b], wire, layout, group, world_size, pre_scale, left,
                                  None if rows is None else rows[k])
               for k, (a, b, layout, left) in enumerate(zip(offsets, offsets[1:], layouts, residual))]
-    finish = _nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
+    finish = nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
     held = [t for chunk in chunks for t in chunk.held] + ([] if rows is None else [rows])
     return ChunkedExchange(buffer, chunks, finish, held)
-
-
-def _nothing() -> None:
-    return None

@@ -305,14 +305,14 @@ def test_ranks_that_disagree_on_hierarchical_fail_together():
     torch_path_workers(_disagreement_worker, 4)
 
 
-def test_part_length_whole_blocks_and_pieces():
+def test_parts_are_whole_blocks_and_pieces():
+    from ddp_triton.machine.cost_model import two_level_part
     from ddp_triton.runtime.chunks import pieces_within
-    from ddp_triton.runtime.two_level import part_length
 
-    assert part_length(3904, 2) == 2048  # 31 blocks: 16 and 15
-    assert part_length(4, 2) == 128  # the second part is empty
-    assert part_length(1, 8) == 128
-    assert all(part_length(n, k) % 128 == 0 and part_length(n, k) * k >= n
+    assert two_level_part(3904, 2) == 2048  # 31 blocks: 16 and 15
+    assert two_level_part(4, 2) == 128  # the second part is empty
+    assert two_level_part(1, 8) == 128
+    assert all(two_level_part(n, k) % 128 == 0 and two_level_part(n, k) * k >= n
                for n in (1, 127, 128, 129, 10_000) for k in (1, 2, 3, 8))
     assert pieces_within([4, 1200, 300, 2400], 0, 2048) == [4, 1200, 300, 544]
     assert pieces_within([4, 1200, 300, 2400], 2048, 3904) == [1856]
