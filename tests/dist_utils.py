@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_triton.runtime.algo_groups import scoped_env
+
 
 class WorkerError(AssertionError):
     """A worker raised; the message carries its rank and traceback."""
@@ -61,15 +63,8 @@ def _server(setting: Optional[str]) -> forkserver.ForkServer:
     if setting not in _SERVERS:
         server = forkserver.ForkServer()
         server.set_forkserver_preload(_PRELOAD)
-        saved = os.environ.pop(_SETTING, None)
-        if setting is not None:
-            os.environ[_SETTING] = setting
-        try:
+        with scoped_env({_SETTING: setting}):
             server.ensure_running()
-        finally:
-            os.environ.pop(_SETTING, None)
-            if saved is not None:
-                os.environ[_SETTING] = saved
         _SERVERS[setting] = server
     return _SERVERS[setting]
 

@@ -15,11 +15,13 @@ from interpreter import interpreter_problem
 
 def _kernels_interpreted(rank, world_size, expected):
     import dist_utils
+    from triton.runtime.interpreter import InterpretedFunction
+
     from ddp_triton.kernels import convert, uses_triton
 
     assert "ddp_triton.kernels" in dist_utils.PRELOADED, "the worker's server did not import the project"
     assert uses_triton(torch.device("cpu")) == expected, f"the project's switch: expected {expected}"
-    interpreted = type(convert._contiguous_convert_kernel).__name__ == "InterpretedFunction"
+    interpreted = isinstance(convert._contiguous_convert_kernel, InterpretedFunction)
     assert interpreted == expected, f"Triton's decoration: expected {expected}"
 
 
