@@ -18,7 +18,7 @@ from typing import NoReturn, Optional, Sequence
 from .. import __version__
 from ..envinfo import collect_env, format_env
 from ..machine.profile import (CONFIDENCE, DEFAULT_BUDGET_S, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET,
-                               DEFAULT_REL_ERROR, MIN_ROUNDS, Profile, ProfileError)
+                               DEFAULT_REL_ERROR, MIN_ROUNDS, Profile, ProfileError, profile_fingerprint)
 from ..machine.topology import PRESETS, TopologyError, load_topology
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
                    nonneg_float, nonneg_int, parse_size, positive_float, positive_int)
@@ -55,7 +55,8 @@ def cmd_topo(args: argparse.Namespace) -> int:
           f"{'unknown' if intra is None else f'{intra:g} GB/s'} per GPU per direction")
     inter = topo.inter_node_gbps
     print(f"inter-node: {'unknown' if inter is None else f'{inter:g} GB/s'} per node per direction")
-    print(f"fingerprint: {topo.fingerprint()}")
+    # The key autotune caches this topology's profiles under (the inter-node rate left out), not topo.fingerprint().
+    print(f"fingerprint: {profile_fingerprint(topo)}")
     for note in topo.notes:
         print(f"note: {note}")
     return EXIT_OK

@@ -291,7 +291,9 @@ class Topology:
         differs between machines of one kind, or between NVML and a preset of the same machine: PCI bus ids, CPU
         affinity, memory size, compute capability (a preset may not know it; the name fixes it), P2P status (NVML
         answers it, presets leave it unknown), and `name`, `source`, `notes`. So a profile made from a preset
-        (`autotune --model-only --topology dgx-h100`) is found by the hook on the real machine (a cache key).
+        (`autotune --model-only --topology dgx-h100`) is found by the hook on the real machine. Profiles are cached
+        under this with the inter-node rate left out (`profile_fingerprint`, which `ddp-triton topo` prints): NVML
+        cannot see NICs.
         """
         gpus = [
             {

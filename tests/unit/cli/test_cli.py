@@ -53,6 +53,21 @@ def test_topo(env, capsys):
     assert "no-such-machine" in err and "dgx-h100" in err
 
 
+@pytest.mark.parametrize("preset", ["dgx-h100", "pcie-gen4-4gpu"])
+def test_topo_prints_the_fingerprint_profiles_are_cached_under(env, tmp_path, preset):
+    # topo --help promises the key of the cache; dgx-h100 knows its NICs' rate, which the key leaves out.
+    r = cli(env, "topo", "--topology", preset)
+    assert r.returncode == 0, r.stderr
+    shown = [line.split(": ", 1)[1] for line in r.stdout.splitlines() if line.startswith("fingerprint: ")]
+    assert len(shown) == 1, r.stdout
+    out = tmp_path / "p.json"
+    r = cli(env, "autotune", "--model-only", "--topology", preset, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    p = Profile.load(out)
+    assert p.topology_fingerprint == shown[0]
+    assert f"wrote {cache_path(shown[0], p.world_size, p.nodes, p.comm_dtype)}" in r.stdout
+
+
 def test_autotune_model_only(env, tmp_path, capsys):
     out, csv = tmp_path / "p.json", tmp_path / "t.csv"
     r = cli(env, "autotune", "--model-only", "--topology", "dgx-h100", "--nodes", "4", "--out", str(out),
