@@ -1,7 +1,7 @@
 """The one report of software versions: what a profile records, what ``ddp-triton env`` and the benchmarks print.
 
 Nothing here raises for a missing or broken package: an unknown version is absent (``software_versions``) or None.
-torch is imported only to ask for the NCCL it was built with.
+torch is imported only to ask for the NCCL it was built with (package versions come from installed metadata).
 """
 
 from __future__ import annotations
@@ -66,14 +66,17 @@ def nccl_version_text() -> Optional[str]:
     return None if v is None else ".".join(map(str, v))
 
 
-def software_versions() -> Dict[str, str]:
-    """Versions a profile records: Python, ddp-triton, torch, triton, NCCL (when torch has it); absent if unknown."""
+def software_versions(nccl: bool = True) -> Dict[str, str]:
+    """Versions a profile records: Python, ddp-triton, torch, triton, NCCL (when torch has it); absent if unknown.
+
+    ``nccl=False`` leaves NCCL out and torch unimported, for a profile that ran no NCCL (the cost model's).
+    """
     out: Dict[str, str] = {"python": platform.python_version()}
     for key in ("ddp_triton", "torch", "triton"):
         v = package_version(key)
         if v is not None:
             out[key] = v
-    nccl = nccl_version_text()
-    if nccl is not None:
-        out["nccl"] = nccl
+    text = nccl_version_text() if nccl else None
+    if text is not None:
+        out["nccl"] = text
     return out

@@ -3,7 +3,8 @@
 ``--model-only`` asks the cost model (no GPU), calibrated with ``--calibration PROFILE`` (a measured profile's
 fitted factors, e.g. one node's, to predict K nodes); ``--wire-formats`` adds the predicted time of each wire format
 per bucket size. Otherwise the workers of ``ddp_triton.tune.autotune`` time all-reduces or DDP steps on one process
-per local GPU (``tune.processes.spawn_local``), or in place under torchrun.
+per local GPU (``tune.processes.spawn_local``), or in place under torchrun. torch and the tuner are imported by
+the functions that measure, not here: the cost model's path starts without torch or Triton.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-import torch.distributed as dist
-
 from ..dtypes import COMM_DTYPE_NAMES, dtype_size, normalize_dtype
 from ..formats import TRAFFIC, WireFormat
 from ..log import warn_once
@@ -24,12 +22,8 @@ from ..machine import profile as profiles
 from ..machine.cost_model import default_sizes
 from ..machine.profile import MiB as MIB
 from ..machine.profile import DEFAULT_BUDGET_S, DEFAULT_REL_ERROR, Profile, ProfileError
-from ..machine.topology import TopologyError, apply_launch_env, load_topology
-from ..runtime.algo_groups import check_nccl_support
-from ..tune import autotune as tuner
-from ..tune import processes
-from ..tune.processes import under_torchrun
-from ..tune.step_timing import E2E_HOOKS, load_factory
+from ..machine.topology import TopologyError, apply_launch_env, load_topology, under_torchrun
+from ..tune.e2e_hooks import E2E_HOOKS
 from ..versions import nccl_version
 from .args import EXIT_FAILED, EXIT_OK, UsageError
 from .outputs import check_outputs, emit
@@ -226,6 +220,11 @@ def _wire_table(fabric: cm.Fabric) -> str:
 
 def _backend(args: argparse.Namespace) -> str:
     """The backend to measure on: ``--backend``, else NCCL where CUDA GPUs are; UsageError where it cannot run."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.algo_groups import check_nccl_support
+
     backend = args.backend
     if backend is None:
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
@@ -248,6 +247,8 @@ def _backend(args: argparse.Namespace) -> str:
 
 def _processes(args: argparse.Namespace, backend: str) -> Tuple[Optional[int], int]:
     """(processes to spawn, or None under torchrun; the world size they make)."""
+    import torch
+
     if under_torchrun():
         nproc, world = None, int(os.environ["WORLD_SIZE"])
     else:
@@ -264,6 +265,9 @@ def _processes(args: argparse.Namespace, backend: str) -> Tuple[Optional[int], i
 def _e2e_config(args: argparse.Namespace, topo: Any, world: int, backend: str, comm_dtype: str,
                 sizes: List[int]) -> Dict[str, Any]:
     """What every e2e worker runs: the factory, the base profile, the candidates."""
+    from ..tune import autotune as tuner
+    from ..tune.step_timing import load_factory
+
     try:
         load_factory(args.e2e)  # fail here, with exit 2, rather than in every worker
     except ValueError as e:
@@ -296,6 +300,11 @@ def _run_workers(worker_name: str, config: Dict[str, Any], nproc: Optional[int],
                  args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """Run ``tune.autotune.<worker_name>`` on every process: in place (under torchrun, or one process) or spawned.
     Rank 0's profile dict; None on the other ranks of a torchrun job (rank 0 reports)."""
+    import torch.distributed as dist
+
+    from ..tune import autotune as tuner
+    from ..tune import processes
+
     if nproc is not None and nproc > 1:
         return processes.spawn_local(f"ddp_triton.tune.autotune:{worker_name}", nproc, backend, (config,),
                                      timeout_s=args.timeout)

@@ -20,8 +20,10 @@ from ..envinfo import collect_env, format_env
 from ..machine.profile import (CONFIDENCE, DEFAULT_BUDGET_S, DEFAULT_FORMATS, DEFAULT_HOST_US_PER_BUCKET,
                                DEFAULT_REL_ERROR, MIN_ROUNDS, Profile, ProfileError, profile_fingerprint)
 from ..machine.topology import PRESETS, TopologyError, load_topology
+from ..tune.e2e_hooks import E2E_HOOKS
 from .args import (EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, WriteFailed, csv_list, fraction,
                    nonneg_float, nonneg_int, parse_size, positive_float, positive_int)
+from .autotune import cmd_autotune  # torch and the tuner load only where it measures
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -60,14 +62,6 @@ def cmd_topo(args: argparse.Namespace) -> int:
     for note in topo.notes:
         print(f"note: {note}")
     return EXIT_OK
-
-
-def cmd_autotune(args: argparse.Namespace) -> int:
-    """``ddp-triton autotune`` (``cli/autotune.py``)."""
-    # Imported here, not at the top: autotune loads torch.distributed, which topo, profile and env start without.
-    from .autotune import cmd_autotune as run
-
-    return run(args)
 
 
 def cmd_profile_show(args: argparse.Namespace) -> int:
@@ -174,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e = a.add_argument_group("e2e")
     e2e.add_argument("--buckets", type=lambda s: [positive_float(x) for x in csv_list(s)],
                      help="bucket_cap_mb values to try (default: around the profile's choice, and 25)")
-    e2e.add_argument("--hooks", type=csv_list, default=["allreduce", "bf16_compress", "triton"],
-                     help="hooks to try: allreduce, bf16_compress, triton")
+    e2e.add_argument("--hooks", type=csv_list, default=list(E2E_HOOKS),
+                     help=f"hooks to try: {', '.join(E2E_HOOKS)}")
     e2e.add_argument("--steps", type=positive_int, default=10, help="timed steps per candidate (10)")
     out = a.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="also write the profile here")

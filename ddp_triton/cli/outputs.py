@@ -13,10 +13,9 @@ import os
 import sys
 from typing import Any
 
-from ..machine.profile import ProfileError, cache_dir, check_cache_writable, save_to_cache
+from ..machine.profile import ProfileError, cache_dir, check_cache_writable, nccl_tuner_csv_text, save_to_cache
+from ..machine.topology import under_torchrun
 from ..safe_write import OutputError, atomic_write_text, check_writable_target
-from ..tune.autotune import nccl_tuner_csv_text
-from ..tune.processes import under_torchrun
 from .args import EXIT_OK, UsageError, WriteFailed
 
 

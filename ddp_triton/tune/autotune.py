@@ -1,7 +1,8 @@
 """Making profiles by measuring: timed all-reduces (``measure_profile``, which also calibrates the cost model to them)
-or timed DDP steps of the user's model (``e2e_profile``); and NCCL's tuner CSV of a profile (``nccl_tuner_csv_text``).
+or timed DDP steps of the user's model (``e2e_profile``).
 
-The cost model's profile needs no measuring: ``ddp_triton.machine.profile.model_profile``. ``measure_worker`` and
+The cost model's profile needs no measuring: ``ddp_triton.machine.profile.model_profile``; nor does NCCL's tuner
+CSV of a profile (``ddp_triton.machine.profile.nccl_tuner_csv_text``). ``measure_worker`` and
 ``e2e_worker`` are the entry points ``processes.spawn_local`` runs on each process.
 """
 
@@ -23,13 +24,10 @@ from ..machine.profile import (CONFIDENCE, DEFAULT_BUCKET_SIZES, DEFAULT_BUDGET_
 from ..machine.topology import Topology
 from ..versions import nccl_version, software_versions
 from .processes import agree_on_plan
-from .step_timing import E2E_HOOKS, run_e2e
+from .e2e_hooks import E2E_HOOKS
 from .format_timing import node_count, time_formats
+from .step_timing import run_e2e
 from .sweep import run_sweep
-
-#: NCCL's tuner plugin matches sizes with size_t; this is SIZE_MAX on 64-bit, "no upper bound".
-TUNER_MAX_BYTES = (1 << 64) - 1
-TUNER_CSV_HEADER = "collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks"
 
 
 def default_algorithms(topo: Any, backend: str, comm_dtype: str = "bfloat16") -> List[str]:
@@ -252,29 +250,3 @@ def e2e_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Run ``e2e_profile`` with ``config`` (``factory``, ``base`` profile dict, and its keyword arguments)."""
     kwargs = {k: v for k, v in config.items() if k not in ("factory", "base")}
     return e2e_profile(config["factory"], Profile.from_dict(config["base"]), **kwargs).to_dict()
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# NCCL tuner plugin CSV
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def nccl_tuner_csv_text(profile: Profile) -> str:
-    """The table as the CSV of NCCL's example tuner plugin (plugins/tuner/example, ``NCCL_TUNER_CONFIG_FILE``).
-
-    One ``allreduce`` row per range: ``collective,min_bytes,max_bytes,algorithm,protocol,channels,nNodes,nRanks``
-    with channels -1 (NCCL's choice) and the profile's nodes and world size. The plugin needs a protocol per row;
-    a range without one (measured without a topology to model protocols) is a ValueError.
-    """
-    missing = [t for t in profile.table if t.protocol is None]
-    if missing:
-        raise ValueError(f"{len(missing)} of the profile's ranges have no protocol (measured without a topology); "
-                         "NCCL's tuner CSV needs one per row: re-run autotune with --topology")
-    lines = [f"# ddp-triton {profile.source} profile {profile.digest()[:16]}, {profile.created}",
-             f"# {TUNER_CSV_HEADER}"]
-    for t in profile.table:
-        hi = TUNER_MAX_BYTES if t.max_bytes is None else t.max_bytes
-        lines.append(f"allreduce,{t.min_bytes},{hi},{t.algorithm},{t.protocol.lower()},-1,"  # type: ignore[union-attr]
-                     f"{profile.nodes},{profile.world_size}")
-    return "\n".join(lines) + "\n"
-

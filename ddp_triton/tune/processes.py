@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..log import warn_once
+from ..machine.topology import under_torchrun
 
 
 def _worker(rank: int, world_size: int, backend: str, store_path: str, result_path: str, fn_path: str,
@@ -69,11 +70,6 @@ def spawn_local(fn_path: str, nprocs: int, backend: str, args: Sequence[Any] = (
                     p.kill()
         with open(result_path) as f:
             return json.load(f)
-
-
-def under_torchrun() -> bool:
-    """Is this process one rank of a launcher's (torchrun's) job: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set?"""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def init_in_place(backend: str) -> bool:

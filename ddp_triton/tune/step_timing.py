@@ -23,11 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..machine.profile import Profile
 from ..runtime.algo_groups import collective_device
-
-
-#: Hooks e2e mode can try. "allreduce": DDP's own fp32 all-reduce (no hook); "bf16_compress": torch's
-#: bf16_compress_hook; "triton": ddp_triton's hook with a CommState built from the base profile.
-E2E_HOOKS = ("allreduce", "bf16_compress", "triton")
+from .e2e_hooks import E2E_HOOKS
 
 
 def load_factory(spec: str) -> Callable[[], Tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]]:

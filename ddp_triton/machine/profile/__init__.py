@@ -8,6 +8,7 @@
 - `formats`: the wire format per bucket size among those allowed, and the substitutions (plain bf16, flat two-level).
 - `format_rule`: the rule that picks a format from timings (medians, confidence intervals; the accuracy order is
   ``ddp_triton.formats``').
+- `tuner_csv`: a profile's table as the CSV NCCL's example tuner plugin reads.
 """
 
 from .build import (DEFAULT_FRACTION, DEFAULT_HOST_US_PER_BUCKET, DEFAULT_MAX_BUCKET_MB, build_table, calibrate,
@@ -21,6 +22,7 @@ from .formats import (DEFAULT_BUCKET_SIZES, DEFAULT_FORMATS, ERROR_RATIO_LIMIT, 
 from .rows import FormatChoice, FormatRange, FormatRow, SweepRow, TableEntry
 from .schema import (AUTO_FORMAT, DEFAULT_MIN_BUCKETS, MiB, Profile, ProfileError, ddp_kwargs, format_bytes,
                      load_profile, now_iso)
+from .tuner_csv import TUNER_CSV_HEADER, TUNER_MAX_BYTES, nccl_tuner_csv_text
 
 __all__ = [
     "AUTO_FORMAT",
@@ -54,6 +56,8 @@ __all__ = [
     "Profile",
     "ProfileError",
     "SweepRow",
+    "TUNER_CSV_HEADER",
+    "TUNER_MAX_BYTES",
     "TableEntry",
     "build_table",
     "cache_dir",
@@ -68,6 +72,7 @@ __all__ = [
     "format_bytes",
     "load_profile",
     "model_profile",
+    "nccl_tuner_csv_text",
     "node_fingerprint",
     "now_iso",
     "profile_fingerprint",

@@ -191,7 +191,8 @@ def profile_from_rows(rows: Sequence[Union[SweepRow, Dict[str, Any]]], *, source
     return Profile(source=source, backend=backend, world_size=world_size, nodes=nodes, comm_dtype=comm_dtype,
                    bucket_cap_mb=mb, bucket_reason=reason, sweep=all_rows, table=table,
                    topology_fingerprint=profile_fingerprint(topo) if topo is not None else "",
-                   topology_name=topo.name if topo is not None else "", versions=software_versions(),
+                   topology_name=topo.name if topo is not None else "",
+                   versions=software_versions(nccl=backend != "model"),  # the cost model ran no NCCL
                    notes=list(notes or []), calibration=calibration)
 
 

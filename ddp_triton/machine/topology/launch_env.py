@@ -1,4 +1,5 @@
-"""The topology of the job at hand: nodes and GPUs per node as the launcher (torchrun) set them.
+"""The topology of the job at hand: nodes and GPUs per node as the launcher (torchrun) set them, and whether a
+launcher started this process (``under_torchrun``).
 
 NVML sees one node; the launcher's environment (WORLD_SIZE, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES) says how many
 nodes take part and which GPUs of each the job uses.
@@ -13,6 +14,11 @@ from typing import List, Mapping, Optional, Tuple
 
 from .gpu import GPU, _check_float, _is_int
 from .model import Topology
+
+
+def under_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    """Is this process one rank of a launcher's (torchrun's) job: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set?"""
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _env_int(env: Mapping[str, str], key: str) -> Optional[int]:

@@ -25,12 +25,17 @@ from ddp_triton.machine.profile import Profile, TableEntry, cache_path
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_the_commands_that_only_read_start_without_torch(env, tmp_path):
-    # topo and profile show answer in a fraction of a second; importing torch (and Triton) would take seconds.
-    profile = tmp_path / "p.json"
+def test_the_commands_that_need_no_gpu_start_without_torch(env, tmp_path):
+    # topo, profile show and the cost model's autotune answer in a fraction of a second; importing torch (and
+    # Triton) would take seconds.
+    profile, csv = tmp_path / "p.json", tmp_path / "t.csv"
     assert main(["autotune", "--model-only", "--topology", "dgx-h100", "--out", str(profile), "--no-cache"]) == 0
+    model_only = ["autotune", "--model-only", "--topology", "dgx-h100", "--nodes", "2"]
+    runs = [["topo", "--topology", "dgx-h100"], ["profile", "show", str(profile)],
+            [*model_only, "--nccl-tuner-csv", str(csv), "--wire-formats"],  # and the cache: the test's own
+            [*model_only, "--formats", "bf16,fp8e4m3+ef", "--no-cache", "--json"]]
     code = ("import sys; from ddp_triton.cli import main\n"
-            f"for argv in (['topo', '--topology', 'dgx-h100'], ['profile', 'show', {str(profile)!r}]):\n"
+            f"for argv in {runs!r}:\n"
             "    assert main(argv) == 0, argv\n"
             "    assert not {'torch', 'triton'} & set(sys.modules), (argv, {'torch', 'triton'} & set(sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -15,9 +15,10 @@ import nvml_fakes
 from factories import tiny_factory
 from ddp_triton.tune import autotune
 from ddp_triton.machine import cost_model as cm
-from ddp_triton.machine.profile import fallback_profile, model_profile
+from ddp_triton.machine.profile import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, fallback_profile, model_profile,
+                                       nccl_tuner_csv_text)
 from ddp_triton.machine.topology import apply_launch_env, from_nvml, load_topology
-from ddp_triton.tune.autotune import (TUNER_CSV_HEADER, TUNER_MAX_BYTES, default_algorithms, nccl_tuner_csv_text)
+from ddp_triton.tune.autotune import default_algorithms
 from ddp_triton.tune.step_timing import e2e_bucket_candidates, load_factory
 from ddp_triton.tune.sweep import format_rows
 
