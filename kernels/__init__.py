@@ -5,8 +5,8 @@ They know nothing of torch.distributed: they flatten, scale and cast gradient bu
 wire formats add block-scaled FP8 (``quantize_blocks``, ``reduce_blocks``, ``dequantize_blocks``, and
 ``sum_blocks`` for a sum kept in float32) and a float32 sum of the ranks' slices (``sum_slices``).
 
-Each operation is one callable with two forms: ``pack(tensors, out, scale)``, a plain call checked in full every
-time (for one-off use), and ``pack.prepare(tensors, out, scale)``, a :class:`PreparedCall` checked and compiled once
+Each operation is one callable with two forms: ``pack(tensors, out, scale)``, a plain call checked in full (for
+one-off use; ``pack`` and ``unpack`` check a layout once and keep it, ``plain_calls.py``), and ``pack.prepare(tensors, out, scale)``, a :class:`PreparedCall` checked and compiled once
 for tensors like these, for the hot path. A prepared call runs on the tensors each call passes, ``call(tensors,
 out)``, compared with its examples (an FSDP group's new buffers every step); or, fixed to tensors its caller keeps,
 ``call.fixed(tensors, out)()`` runs with no check at all (a DDP bucket's step). On CPU tensors each takes the torch

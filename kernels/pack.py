@@ -3,9 +3,10 @@
 ``pack`` flattens a list of tensors into one buffer, scaling and casting on the way (the step before an
 all-reduce); ``unpack`` is the way back. Both take one pass over the data whatever the number of tensors: one launch
 on CUDA, the same kernel in Triton's interpreter for CPU tensors when ``TRITON_INTERPRET=1``, and otherwise the torch
-path for CPU tensors, all with the same bits. Each has two forms: the plain call, checked in full every time (for
-one-off use), and ``pack.prepare(...)``/``unpack.prepare(...)``, checked once and run on the tensors each call passes
-(``prepared.py``: for callers that repeat it every step, the DDP hook's buckets).
+path for CPU tensors, all with the same bits. Each has two forms: the plain call, checked in full the first time it
+meets a layout, which it then keeps (``plain_calls.py``: a repeat costs about a prepared call's relaunch), and
+``pack.prepare(...)``/``unpack.prepare(...)``, checked once and run on the tensors each call passes (``prepared.py``:
+for callers that repeat it every step, the DDP hook's buckets).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from . import _triton, torch_path
 from .dtypes import BITS_DTYPE, OUT_KIND
 from .launch import KernelCall, kernel_arguments, run_call
+from .plain_calls import PlainCalls
 from .prepared import PreparedCall, with_prepare
 from .validation import check_flat, check_overlap, check_scale, check_stats, check_tensor_list
 from .worklist import build_plan
@@ -87,6 +89,10 @@ def _prepare_pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: flo
                         (tensors, out), disjoint=False)
 
 
+_PLAIN_PACKS = PlainCalls(("tensors", "out"), flat_first=False)
+_PLAIN_UNPACKS = PlainCalls(("flat", "tensors"), flat_first=True)
+
+
 @with_prepare(_prepare_pack)
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Write ``concat(t.flatten() for t in tensors) * scale`` into ``out``, rounded once to ``out.dtype``.
@@ -97,7 +103,10 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0)
     three dtypes. ``out`` may be the very same memory as the tensors (in-place scaling); any other overlap is refused.
     Returns ``out``. ``pack.prepare(tensors, out, scale)``: the same, checked once, for calls that repeat it.
     """
-    run_call(_pack_call(tensors, out, scale, True, checked=True))
+    if type(scale) is not float:
+        scale = check_scale(scale)  # an int, or a wrong type named; a float's checks are the layout's
+    _PLAIN_PACKS.run(("pack", scale.hex()), (tensors, out),
+                     lambda ts, o, checked: _pack_call(ts, o, scale, True, checked))
     return out
 
 
@@ -125,5 +134,11 @@ def unpack(
     norm and an overflow check without reading the gradients again); no host synchronisation either way.
     ``unpack.prepare(flat, tensors, scale, stats=...)``: the same, checked once, for calls that repeat it.
     """
-    run_call(_unpack_call(flat, tensors, scale, stats, True, checked=True))
+    if stats is not None:  # its partial sums' buffer is the call's own: no layout to keep
+        run_call(_unpack_call(flat, tensors, scale, stats, True, checked=True))
+        return
+    if type(scale) is not float:
+        scale = check_scale(scale)
+    _PLAIN_UNPACKS.run(("unpack", scale.hex()), (flat, tensors),
+                       lambda f, ts, checked: _unpack_call(f, ts, scale, None, True, checked))
 

@@ -80,11 +80,26 @@ class PreparedCall:
 
     def __init__(self, build: Callable[..., launching.KernelCall], names: Sequence[str],
                  examples: Sequence[Any], *, disjoint: bool = True) -> None:
+        self._checked(build, names, examples, disjoint)
+
+    @classmethod
+    def run_new(cls, build: Callable[..., launching.KernelCall], names: Sequence[str], args: Sequence[Any], *,
+                disjoint: bool = True) -> "PreparedCall":
+        """Prepare for ``args`` and run on them at once, with the call the full checks built (a plain call that
+        meets a layout for the first time: its work list is built once, not a second time by its first run)."""
+        prepared = cls.__new__(cls)
+        call = prepared._checked(build, names, args, disjoint)
+        prepared._run_built(args, tuple(0 if t is None else t.data_ptr() for t in prepared._tensors(args)), call)
+        return prepared
+
+    def _checked(self, build: Callable[..., launching.KernelCall], names: Sequence[str], examples: Sequence[Any],
+                 disjoint: bool) -> launching.KernelCall:
+        """Set up for ``examples`` after every check of a plain call (naming any problem); the call they built."""
         if len(names) != len(examples):
             raise TypeError(f"{len(names)} names for {len(examples)} example arguments")
         self._build, self._names, self._disjoint = build, tuple(names), disjoint
         self._lists = tuple(i for i, e in enumerate(examples) if isinstance(e, (list, tuple)))
-        build(*examples, checked=True)  # every check of a plain call, naming any problem
+        call = build(*examples, checked=True)
         self._likes = tuple(self._like(name, i, e) for i, (name, e) in enumerate(zip(self._names, examples)))
         tensors = self._tensors(examples)
         if disjoint:
@@ -93,6 +108,7 @@ class PreparedCall:
         self._compiled: Dict[tuple, Optional[_Specialised]] = {}
         self._last: Optional[Tuple[tuple, _Relaunch]] = None
         """(addresses, relaunch) of the last direct launch without an ``after``: it holds no tensor of a caller's."""
+        return call
 
     def __call__(self, *args: Any) -> None:
         self._run(args, self._check(args))
@@ -169,14 +185,20 @@ class PreparedCall:
     # ---- running ------------------------------------------------------------------------------------------------
 
     def _run(self, args: Sequence[Any], tensors: tuple) -> None:
-        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        self.run_at(args, tuple(0 if t is None else t.data_ptr() for t in tensors))
+
+    def run_at(self, args: Sequence[Any], addresses: tuple) -> None:
+        """Run on ``args``, known to be like the examples (a caller that compared everything the examples' checks
+        read), whose tensors one after another lie at ``addresses``."""
         last = self._last
         if last is not None and last[0] == addresses and not launching.launch_hooks_installed():
             # The same addresses as the last direct launch: the same values (the rest are the call's sizes and
             # settings, and a work table of its own), so the same launch.
             last[1]()
             return
-        call = self._build(*args, checked=False)
+        self._run_built(args, addresses, self._build(*args, checked=False))
+
+    def _run_built(self, args: Sequence[Any], addresses: tuple, call: launching.KernelCall) -> None:
         repeat, direct = self._launch(call)
         if direct and call.after is None:
             self._last = (addresses, repeat)

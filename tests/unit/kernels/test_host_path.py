@@ -1,5 +1,6 @@
-"""A plain pack/unpack checks every call: a tensor changed since an earlier call is refused as a fresh call would be,
-or read where it is now; so is a prepared call's. The torch path from several threads at once.
+"""A plain pack/unpack checks a layout once and keeps it: a repeat skips the checks, and a tensor changed since an
+earlier call is refused as a fresh call would be, or read where it is now; so is a prepared call's. The torch path
+from several threads at once.
 
 Tier: no device. The kernels run in Triton's interpreter on CPU tensors (conftest.py). Triton's interpreter is not
 thread-safe (it patches ``triton.language`` while a kernel runs), so the threaded tests run the torch path.
@@ -121,6 +122,31 @@ def test_freed_and_replaced_tensors_are_packed_as_they_are_now():
         out.zero_()
         run(tensors, out, 0.5) if run is pack else run(tensors, out)
         assert_same_bits(out, reference_pack(tensors, torch.bfloat16, 0.5))
+
+
+def test_a_seen_layout_at_new_addresses_still_refuses_an_overlap():
+    """A repeat of a layout skips the checks its signature covers, not the overlap check: addresses change."""
+    pack(tensors_of([6, 9]), torch.empty(15), 0.5)
+    shared = torch.randn(24)
+    with pytest.raises(ValueError, match="overlaps tensors\\[1\\]"):
+        pack([shared[:6], shared[6:15]], shared[9:], 0.5)  # float32 15 into 15: the same layout as above
+
+
+def test_a_repeat_plain_call_checks_once_and_gives_each_calls_bits(monkeypatch):
+    """A plain call of a layout seen before skips the full checks (the layout's signature covers what they read),
+    and packs and unpacks the tensors it is given now, at the same addresses or new ones."""
+    checks = []
+    real_check = pack_module.check_tensor_list
+    monkeypatch.setattr(pack_module, "check_tensor_list", lambda *a: checks.append(1) or real_check(*a))
+    first, second = tensors_of([6, 9, 1], seed=1), tensors_of([6, 9, 1], seed=2)
+    out = torch.empty(16, dtype=torch.bfloat16)
+    back = [torch.empty(6), torch.empty(9), torch.empty(1)]
+    for tensors in (first, first, second, first):
+        pack(tensors, out, 0.5)
+        assert_same_bits(out, reference_pack(tensors, torch.bfloat16, 0.5))
+        unpack(out, back, 2.0)
+        assert_same_bits(torch.cat(back), out.float().mul(2.0))
+    assert len(checks) == 2  # one pack layout and one unpack layout
 
 
 def test_out_viewed_with_another_dtype_of_the_same_size():

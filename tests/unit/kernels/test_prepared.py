@@ -9,8 +9,10 @@ prepared call hands it are what a direct launch for the new tensors would take, 
 otherwise goes through Triton's launcher.
 """
 
+import gc
 import importlib
 import re
+import weakref
 
 import pytest
 import torch
@@ -278,8 +280,6 @@ def test_preparing_checks_as_a_plain_call_does():
 def test_a_fixed_call_keeps_every_tensor_it_runs_on_alive(path):
     """The work table holds raw addresses, the torch path views: a fixed call holds every tensor it runs on, so
     that the caller may drop its own references."""
-    import gc
-    import weakref
 
     flat = torch.randn(300)
     tensors = [torch.empty(100), torch.empty(200)]
@@ -436,6 +436,30 @@ def test_a_repeat_call_at_the_same_addresses_relaunches_without_building_its_arg
     monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: True)
     call(*first)
     assert len(fallbacks) == 1 and len(recorder.launches) == 5  # a profiler sees Triton's launcher, as always
+
+
+def test_a_plain_pack_of_a_seen_layout_relaunches_at_the_same_addresses_and_keeps_no_tensor(stubbed_cuda, monkeypatch):
+    """The plain call's repeat on a GPU: no check and no work list at the last call's addresses, only the direct
+    launch; a work list at new ones; and nothing of the caller's kept alive between calls."""
+    recorder, fallbacks = stubbed_cuda
+    plans = []
+    real_plan = pack_module.build_plan
+    monkeypatch.setattr(pack_module, "build_plan", lambda *a: plans.append(1) or real_plan(*a))
+    sizes = [300, 7, 129]  # three runs: a work list
+    first, second = [_values(n, 1) for n in sizes], [_values(n, 2) for n in sizes]
+    out = torch.empty(sum(sizes), dtype=torch.bfloat16)
+    for given in (first, first, second, second, first):
+        kernels.pack(given, out, 0.25)
+    assert len(plans) == 3 and fallbacks == [] and len(recorder.compiled) == 1
+    launched = [values for _, values in recorder.launches]
+    expected = [_expected_values("pack", (given, out)) for given in (first, first, second, second, first)]
+    table = 2  # the work table's address, which is each plan's own: the rest are the call's tensors and settings
+    assert [v[:table] + v[table + 1:] for v in launched] == [v[:table] + v[table + 1:] for v in expected]
+    assert launched[0] == launched[1] and launched[2] == launched[3]  # a relaunch, table and all
+    watch = [weakref.ref(t) for t in first + [out]]
+    del first, second, given, out
+    gc.collect()
+    assert all(w() is None for w in watch), "a plain call kept a tensor of its caller's"
 
 
 @pytest.mark.parametrize("name", ONE_KERNEL_CASES)
