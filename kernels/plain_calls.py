@@ -18,23 +18,22 @@ freed and replaced shows its current metadata, and is checked in full if any of 
 metadata cannot be read, a null address (empty or meta tensors), mixed devices or dtypes, a
 scale that is not a Python float, or tensors not in a list or tuple get no signature and are checked in full.
 
-Entries hold no tensor of a caller's (a prepared call keeps none after it returns). The cache is a bounded LRU, safe
-to use from several threads.
+Entries hold no tensor of a caller's (a prepared call keeps none after it returns). The cache is bounded (the
+oldest layout goes first) and safe to use from several threads: a repeat reads it without a lock.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from operator import attrgetter
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .launch import KernelCall, run_call
 from .prepared import PreparedCall
 
-# Layouts a program calls plainly are few (one per call site and shape); keep the recent ones.
+# Layouts a program calls plainly are few (one per call site and shape); keep the newest.
 CAPACITY = 64
 
 _data_ptr = torch.Tensor.data_ptr
@@ -70,14 +69,14 @@ def signature(settings: tuple, tensors: Sequence[torch.Tensor], flat: torch.Tens
 
 
 class PlainCalls:
-    """One operation's plain calls by layout: the prepared call of each layout seen, least recently used dropped
-    first. ``names`` as :class:`PreparedCall` takes them (pack and unpack check their own overlaps: no disjointness
-    check); ``flat_first`` says whether the flat buffer comes before the tensor list among the call's arguments
-    (unpack) or after it (pack)."""
+    """One operation's plain calls by layout: the prepared call of each layout seen, the oldest dropped first.
+    ``names`` as :class:`PreparedCall` takes them (pack and unpack check their own overlaps: no disjointness check);
+    ``flat_first`` says whether the flat buffer comes before the tensor list among the call's arguments (unpack) or
+    after it (pack)."""
 
     def __init__(self, names: Sequence[str], flat_first: bool, capacity: int = CAPACITY) -> None:
         self._names, self._flat_first, self._capacity = tuple(names), flat_first, capacity
-        self._entries: "OrderedDict[tuple, Tuple[tuple, PreparedCall]]" = OrderedDict()
+        self._entries: Dict[tuple, Tuple[tuple, PreparedCall]] = {}  # oldest first
         self._lock = threading.Lock()
 
     def run(self, settings: tuple, args: tuple, build: Callable[..., KernelCall]) -> None:
@@ -89,19 +88,16 @@ class PlainCalls:
             run_call(build(*args, checked=True))
             return
         head, rest, addresses = sig
-        with self._lock:
-            entry = self._entries.get(head)
-            if entry is not None:
-                self._entries.move_to_end(head)
+        entry = self._entries.get(head)  # one dict read: atomic, so no lock on the repeat's path
         if entry is not None and entry[0] == rest:
             entry[1].run_at(args, addresses if self._flat_first else (*addresses[1:], addresses[0]))
             return
         prepared = PreparedCall.run_new(build, self._names, args, disjoint=False)
         with self._lock:
-            self._entries[head] = (rest, prepared)  # replaces a layout of the same head
-            self._entries.move_to_end(head)
+            self._entries.pop(head, None)  # a layout of the same head is replaced, and becomes the newest
+            self._entries[head] = (rest, prepared)
             if len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
+                del self._entries[next(iter(self._entries))]
 
     def clear(self) -> None:
         with self._lock:

@@ -14,6 +14,9 @@ Which flags count for which subcommand:
   table row) in the table's header row. Where that is another program (``torchrun``, ``python -m bench.x``, a
   script, a ``bench.`` module), the flag is its own and not checked. In a sentence only code spans count; in a
   table row also plain text.
+
+A message the code raises is in docs/troubleshooting.md when one of the page's code spans quotes it: the span's
+fixed text, in order, with ``...`` and the placeholders (``N``, ``NAME``, ``PATH``, ...) standing for what varies.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from urllib.parse import unquote
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNABLE_MARKER = "<!-- docs: runnable -->"
+TROUBLESHOOTING = "docs/troubleshooting.md"
+# A quote of fewer fixed characters than this (`... failed ...`), or of one word (`error_feedback`), would vouch for
+# messages it does not name.
+MIN_QUOTED_FIXED = 12
 
 # Where a command's words are shell: its unknown subcommands are reported (elsewhere "ddp-triton makes ..." is prose).
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "zsh"}
@@ -552,3 +559,53 @@ def cli_mentions(doc: Doc, parser: argparse.ArgumentParser) -> List[CliMention]:
         if line not in seen:
             seen.append(line)
     return [CliMention(doc.name, command, flag, tuple(sorted(numbers))) for (command, flag), numbers in lines.items()]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The messages docs/troubleshooting.md quotes
+# --------------------------------------------------------------------------------------------------------------------
+
+# What varies in a quoted message: "..." (any text) and the names the page writes for a value.
+_MESSAGE_VARIABLE = re.compile(r"\.\.\.|\b(?:N|R|W|S|H|K|G|NAME|PATH|FILE|FLAG|MODEL)\b")
+
+
+@dataclass(frozen=True)
+class QuotedMessage:
+    """A code span of the troubleshooting page that quotes a message: where it is, its text, and that text as a
+    pattern (its fixed parts in order, what varies between them)."""
+
+    doc: str
+    line: int
+    text: str
+    pattern: "re.Pattern[str]"
+    fixed: int  # characters of fixed text
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}: `{self.text}`"
+
+
+def quoted_messages(doc: Doc) -> List[QuotedMessage]:
+    """The code spans of ``doc``'s prose of more than one word and at least ``MIN_QUOTED_FIXED`` characters of
+    fixed text, as patterns."""
+    found = []
+    for para in doc.paragraphs:
+        for piece in code_spans(para.text):
+            if not piece.is_code:
+                continue
+            fixed = _MESSAGE_VARIABLE.split(piece.text)
+            length = sum(len(part.strip()) for part in fixed)
+            if length < MIN_QUOTED_FIXED or not re.search(r"\S\s+\S", piece.text):
+                continue
+            # where it starts: the message's start, or after a prefix that says what it is about ("PATH: ...")
+            start = "" if piece.text.startswith("...") else "(?:^|: )"
+            pattern = re.compile(start + ".+?".join(re.escape(part) for part in fixed), re.S)
+            found.append(QuotedMessage(doc.name, para.line + para.text.count("\n", 0, piece.start), piece.text,
+                                       pattern, length))
+    return found
+
+
+def quote_of(message: str, quotes: Sequence[QuotedMessage]) -> Optional[QuotedMessage]:
+    """Of ``quotes``, the one with the most fixed text that quotes ``message``, or None. A quote quotes its message
+    from the start, or from after a ``": "`` (what the message is about, as a ProfileError's file), or from anywhere
+    when it opens with ``...``; it need not go to the message's end."""
+    return max((quote for quote in quotes if quote.pattern.search(message)), key=lambda q: q.fixed, default=None)

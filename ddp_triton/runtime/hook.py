@@ -29,7 +29,7 @@ from ..formats import average_factors
 from ..kernels import SUPPORTED_DTYPES
 from ..log import logger
 from .grad_stats import note_bucket
-from .state import STALE_AFTER, CommState
+from .state import STALE_AFTER, CommState, check_options
 from .telemetry import watch as watch_bucket
 
 
@@ -152,6 +152,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
                             "and float16 gradients")
     if state is not None and state_options:
         raise TypeError(f"register takes a state or state options, not both (got {sorted(state_options)})")
+    if state is None:
+        check_options(state_options)  # CommState(**) would meet a misspelt option as Python's TypeError
     state_options.setdefault("process_group", ddp_model.process_group)
     if ddp_model.device_ids:
         state_options.setdefault("device", torch.device("cuda", ddp_model.device_ids[0]))

@@ -62,12 +62,15 @@ def check_tune_options(tune: Any, formats: Any) -> Optional[List[str]]:
         raise ValueError("formats lists the wire formats online tuning chooses among: pass tune='online' with it")
     if isinstance(formats, str) or not isinstance(formats, (list, tuple)) or not formats:
         raise ValueError(f"formats must be a non-empty list of wire format names, got {formats!r}")
-    names = []
+    names: List[str] = []
     for name in formats:
         if not isinstance(name, str):
             raise ValueError(f"formats must name wire formats as strings, got {name!r}")
-        names.append(canonical_name(name))  # ValueError naming an unknown format
-    return list(dict.fromkeys(names))
+        canonical = canonical_name(name)  # ValueError naming an unknown format
+        if canonical in names:
+            raise ValueError(f"formats names {canonical} twice ({list(formats)!r}): list each format once")
+        names.append(canonical)
+    return names
 
 
 @dataclass
@@ -382,15 +385,16 @@ def _refuse_stray(decided: Dict[int, Dict[str, Any]], names: Sequence[str]) -> N
                          f"(formats={list(names)})")
 
 
-def tuned_choice(tuner: Optional[OnlineTuner]) -> Optional[Dict[int, Dict[str, Any]]]:
-    """``CommState.tuned_formats``: the tuner's choice, None while tuning; a ValueError without online tuning."""
+def tuned_choice(tuner: Optional[OnlineTuner], method: str = "tuned_formats") -> Optional[Dict[int, Dict[str, Any]]]:
+    """``CommState.tuned_formats``: the tuner's choice, None while tuning; without online tuning, a ValueError that
+    names ``method``, the CommState method called."""
     if tuner is None:
-        raise ValueError("tuned_formats: this state does not tune online (register it with tune='online')")
+        raise ValueError(f"{method}: this state does not tune online (register it with tune='online')")
     return tuner.tuned()
 
 
 def save_tuned_profile(tuner: Optional[OnlineTuner], ctx: Any, path: Any) -> Any:
     """``CommState.save_profile``: write the choice as a profile (``profile_from_choice``); returns its path."""
-    if tuned_choice(tuner) is None or ctx is None:
+    if tuned_choice(tuner, "save_profile") is None or ctx is None:
         raise ValueError("save_profile: online tuning has not chosen yet (it chooses in the job's first steps)")
     return tuner.profile(ctx).save(path)

@@ -4,7 +4,8 @@ a .md link's anchor to one of its headings), and every ``ddp-triton`` subcommand
 Tier: no device, no process: the CLI's parser is built in process and each subcommand's ``--help`` read from it. One
 test per link and per command or flag, named after it. The rules for which flag belongs to which subcommand are in
 tests/doc_checks.py; the tests at the end feed the same checks broken docs in a temporary folder and see the breakage
-reported, and nothing else. The blocks marked runnable run in tests/dist/test_docs_runnable.py.
+reported, and nothing else. The blocks marked runnable run in tests/dist/test_docs_runnable.py; the errors that
+docs/troubleshooting.md must quote are raised in tests/dist/test_troubleshooting.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 from ddp_triton.cli.main import build_parser
 from doc_checks import (REPO, CliMention, anchors, cli_mentions, cli_problem, doc_names, github_slug,
-                        link_problem, links, parse_doc, read_doc, runnable_marker_problems, subcommands)
+                        link_problem, links, parse_doc, quote_of, quoted_messages, read_doc,
+                        runnable_marker_problems, subcommands)
 
 PARSER = build_parser()
 DOCS = [read_doc(REPO, name) for name in doc_names(REPO)]
@@ -226,3 +228,33 @@ def test_a_runnable_marker_that_marks_no_python_block_is_reported():
         "README.md:12: <!-- docs: runnable --> is not right before a ```python fence",
     ]
 
+
+
+def test_a_message_is_quoted_by_its_fixed_text_in_order():
+    doc = parse_doc("docs/troubleshooting.md", textwrap.dedent("""\
+        | message | what to do |
+        |---|---|
+        | `unknown CommState options [...]; it takes [...]` | Spell it right. |
+        | `this rank (R) is not a member of process_group` / `cannot read profile: ...` | Pass `--out`. |
+        | `... exclude each other` | One of them. |
+        | `error_feedback must be True, False or None` | A flag: `error_feedback`, `hierarchical`. |
+    """))
+    quotes = quoted_messages(doc)
+    assert [q.text for q in quotes] == ["unknown CommState options [...]; it takes [...]",
+                                        "this rank (R) is not a member of process_group", "cannot read profile: ...",
+                                        "... exclude each other", "error_feedback must be True, False or None"]
+    # `--out`: too little to quote a message; `error_feedback`: one word, which begins messages of its own
+
+    def quoted(message):
+        quote = quote_of(message, quotes)
+        return quote and quote.text
+
+    assert quoted("unknown CommState options ['comm_dtyp']; it takes ['a', 'b']") == quotes[0].text
+    assert quoted("this rank (3) is not a member of process_group") == quotes[1].text
+    assert quoted("/tmp/p.json: cannot read profile: No such file") == quotes[2].text  # after what it is about
+    assert quoted("--a and --b exclude each other") == quotes[3].text
+    assert quoted("unknown CommState option 'x'") is None  # a fixed part missing
+    assert quoted("it takes ['a']; unknown CommState options ['x']") is None  # out of order
+    assert quoted("the rank (3) is not a member of process_group") is None  # a quote starts where its message does
+    assert quoted("this rank (3) is not a member of process_group (of 2)") == quotes[1].text  # to its end or not
+    assert quoted("error_feedback applies to FP8 wire formats") is None

@@ -338,13 +338,19 @@ def format_bytes(n: Union[int, float]) -> str:
     return f"{n} TiB"  # unreachable
 
 
-def ddp_kwargs(profile: Profile, model: Any = None, min_buckets: int = DEFAULT_MIN_BUCKETS) -> Dict[str, Any]:
+def ddp_kwargs(profile: Union[Profile, PathLike], model: Any = None,
+               min_buckets: int = DEFAULT_MIN_BUCKETS) -> Dict[str, Any]:
     """Keyword arguments for ``DistributedDataParallel(...)`` that apply the profile (DDP fixes its buckets at
     construction, so they must be passed there).
 
-    With ``model`` (an ``nn.Module``), the bucket cap is also bounded so the model's gradients split into at least
-    ``min_buckets`` buckets.
+    ``profile`` is a Profile or a profile file's path, read as ``register(profile=PATH)`` reads it
+    (``load_profile``: a ProfileError naming the file). With ``model`` (an ``nn.Module``), the bucket cap is also
+    bounded so the model's gradients split into at least ``min_buckets`` buckets.
     """
+    if isinstance(profile, (str, os.PathLike)):
+        profile = load_profile(profile)
+    elif not isinstance(profile, Profile):
+        raise TypeError(f"ddp_kwargs takes a Profile or a profile file's path, got {type(profile).__name__}")
     mb = profile.bucket_cap_mb
     if model is not None:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -344,6 +344,20 @@ def test_ddp_kwargs_bounds_by_model():
     assert ddp_kwargs(p, model, min_buckets=4) == {"bucket_cap_mb": pytest.approx(1.001, rel=1e-3)}
 
 
+def test_ddp_kwargs_reads_a_profile_path_as_register_does(tmp_path):
+    import torch
+
+    path = small_profile(bucket_cap_mb=100.0).save(tmp_path / "profile.json")
+    model = torch.nn.Linear(1024, 1024)
+    assert ddp_kwargs(str(path)) == ddp_kwargs(path) == {"bucket_cap_mb": 100.0}
+    assert ddp_kwargs(str(path), model, min_buckets=4) == {"bucket_cap_mb": pytest.approx(1.001, rel=1e-3)}
+    with pytest.raises(ProfileError, match="cannot read profile") as missing:
+        ddp_kwargs(tmp_path / "missing.json")
+    assert str(missing.value.path) == str(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="ddp_kwargs takes a Profile or a profile file's path, got dict"):
+        ddp_kwargs({"bucket_cap_mb": 100.0})
+
+
 def test_summary_mentions_the_essentials(h100x2):
     _, prof = h100x2
     s = prof.summary()

@@ -4,6 +4,8 @@ as a profile gives ``comm_dtype="auto"`` each bucket size's chosen format.
 Tier: unit, no processes (a CommState built before ``init_process_group`` only checks its options).
 """
 
+import re
+
 import pytest
 
 from ddp_triton import CommState
@@ -29,12 +31,26 @@ def test_bad_online_options_fail_naming_the_option(options, message):
 
 
 def test_online_tuning_needs_no_profile_and_takes_canonical_names():
-    state = CommState(comm_dtype="auto", tune="online", profile=None, formats=["two-level-bf16", "fp32", "fp32"])
+    state = CommState(comm_dtype="auto", tune="online", profile=None, formats=["two-level-bf16", "fp32"])
     assert state.tuner.formats == ["fp32", "two-level bf16"]  # most accurate first: the order of the trials
-    with pytest.raises(ValueError, match="does not tune online"):
+    with pytest.raises(ValueError, match="^tuned_formats: this state does not tune online"):
         CommState(profile=None).tuned_formats()
+    with pytest.raises(ValueError, match="^save_profile: this state does not tune online"):
+        CommState(profile=None).save_profile("never-written.json")
     with pytest.raises(ValueError, match="has not chosen yet"):
         state.save_profile("never-written.json")
+
+
+@pytest.mark.parametrize("formats, twice", [
+    pytest.param(["bf16", "bf16"], "bf16", id="same-spelling"),
+    pytest.param(["fp32", "two-level-bf16", "two-level bf16"], "two-level bf16", id="two-spellings"),
+])
+def test_a_format_listed_twice_is_refused_naming_it(formats, twice):
+    message = f"formats names {twice} twice ({formats!r}): list each format once"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        CommState(comm_dtype="auto", tune="online", profile=None, formats=formats)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_options(dict(comm_dtype="auto", tune="online", formats=formats))
 
 
 def test_the_saved_choice_is_checked_before_anything_changes():
