@@ -181,6 +181,13 @@ def select_group(groups: Mapping[str, ProcessGroup], profile: Any, nbytes: int) 
                          f"(groups: {sorted(groups)}); build groups from profile.algorithms()") from None
 
 
+def device_scope(device: Optional[torch.device]) -> Any:
+    """A block in which ``device`` is the current CUDA device (nothing for None or a CPU device): the tensors
+    ``collective_device`` places, and the NCCL communicators their collectives bring up, then go to that GPU, not
+    to GPU 0 of a script that moved its model to its GPU without ``torch.cuda.set_device``."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+
+
 def collective_device(pg: ProcessGroup) -> torch.device:
     """Where a tensor for a collective on ``pg`` lives: the current CUDA device on NCCL, else the CPU."""
     if "nccl" in str(dist.get_backend(pg)).lower():

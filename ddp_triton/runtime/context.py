@@ -7,7 +7,6 @@ bucket's Plan (``plan.py``) reads its group, format and averaging from it, never
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -17,12 +16,12 @@ import torch.distributed as dist
 from ..formats import WireFormat, average_factors, sorted_by_preference
 from ..log import warn_once
 from ..machine.profile import AUTO_FORMAT
-from .algo_groups import fail_together, select_group
+from .algo_groups import device_scope, fail_together, select_group
 from .chunks import agreed_chunk_bytes
 from .exchange import ExchangeQueue
 from .nodes import NodeGroups, bind_node_groups
 from .online import DEFAULT_ONLINE_FORMATS
-from .profile_choice import bind_profile
+from .profile_choice import bind_profile, binding_group
 from .residuals import ResidualStore
 
 
@@ -89,9 +88,20 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
                  online: Optional[List[str]] = None) -> Context:
     """Bind a state's settings to ``group`` (collective: every rank at the same point). ``profile`` is the argument
     as given, ``comm_dtype`` the setting (a dtype or "auto"), ``wire`` the settings' format; ``online``: with
-    ``tune="online"``, the formats the user admitted ([]: the profile's admitted set, else the defaults)."""
+    ``tune="online"``, the formats the user admitted ([]: the profile's admitted set, else the defaults).
+
+    All of it runs with ``device`` (the model's) as the current CUDA device: every collective here, and the NCCL
+    communicator each brings up, goes to the model's GPU whatever device the script made current.
+    """
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+    with device_scope(device):
+        return _bind(group, profile, comm_dtype, wire, queue, residuals, grad_stats, online)
+
+
+def _bind(group: Any, profile: Any, comm_dtype: Any, wire: WireFormat, queue: ExchangeQueue,
+          residuals: ResidualStore, grad_stats: bool, online: Optional[List[str]]) -> Context:
+    """``bind_context``'s work, under the model's device."""
     world_size = dist.get_world_size(group)
     backend = str(dist.get_backend(group)).lower()
     backend = "nccl" if "nccl" in backend else backend
@@ -103,21 +113,19 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
     if online is not None:  # the ranks must admit the same formats: compared with the setting
         wire_setting += " tune=online " + ",".join(online)
     active, algorithm_groups = bind_profile(profile, group=group, world_size=world_size, comm_dtype=comm_dtype,
-                                            backend=backend, wire_format=wire_setting, device=device)
+                                            backend=backend, wire_format=wire_setting)
     if online is not None:  # before tuning, a bucket the profile does not place goes in the most accurate format
         formats = {name: WireFormat.parse(name) for name in sorted_by_preference(online_formats(online, active))}
         wire = next(iter(formats.values()))
     else:
         formats = formats_of(active) if comm_dtype == AUTO_FORMAT else None  # the ranks agreed on the profile
-    nodes = None
     two_level = [w for w in (formats or {wire.name: wire}).values() if w.two_level]
-    if two_level:
-        on_device = device is not None and device.type == "cuda"
-        with torch.cuda.device(device) if on_device else contextlib.nullcontext():
-            nodes = bind_node_groups(group, two_level[0].flat().name)
-        if nodes is None:  # one node, or one rank per node: every rank goes flat together
-            wire = wire.flat()
-            formats = None if formats is None else {name: w.flat() for name, w in formats.items()}
+    # Called without a two-level format too: where making node groups takes the whole world, every rank takes part.
+    nodes = bind_node_groups(group, two_level[0].flat().name if two_level else None,
+                             world_binds=binding_group(profile, group) is dist.group.WORLD)
+    if two_level and nodes is None:  # one node, one rank per node, or no groups to be had: the ranks go flat together
+        wire = wire.flat()
+        formats = None if formats is None else {name: w.flat() for name, w in formats.items()}
     return Context(group, world_size, backend, wire, formats, active, algorithm_groups, nodes, queue, residuals,
                    grad_stats, agreed_chunk_bytes(group))
 

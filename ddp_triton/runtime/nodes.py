@@ -10,7 +10,9 @@ length fit one all-gather), so every rank computes the same partition from the s
 - otherwise ``NodeGroups``: the node's group (its ranks, in rank order), the cross group (the ranks with this
   rank's local index on every node, nodes ordered by their lowest rank) and a second group of the node's ranks for
   the all-gathers: made by every rank in one order on the default group, by their members only
-  (``use_local_synchronization``) on a part of the world.
+  (``use_local_synchronization``) on a part of the world. Where the default group is bound to a device, torch
+  splits every new group from its communicator, collective over the world: a part of the world's groups are then
+  made by every rank of the world (all of them bind together when the state has a profile), or not at all (flat).
 """
 
 from __future__ import annotations
@@ -67,11 +69,57 @@ def partition(names: List[str]) -> List[List[int]]:
     return list(by_name.values())
 
 
-def bind_node_groups(group: Any, wire_name: str, env: Mapping[str, str] = os.environ) -> Optional[NodeGroups]:
-    """The node and cross groups of ``group`` for a two-level exchange, or None (flat, with a warning).
+def bind_node_groups(group: Any, wire_name: Optional[str], world_binds: bool = False,
+                     env: Mapping[str, str] = os.environ) -> Optional[NodeGroups]:
+    """The node and cross groups of ``group`` for a two-level exchange in ``wire_name``, or None (flat, with a
+    warning). ``wire_name`` None: the state sends no two-level format, and only takes its part where making the
+    groups takes the whole world.
 
-    Collective over ``group``: every rank calls it at the same point (the state's binding).
+    Collective over ``group``: every rank calls it at the same point (the state's binding). Where the default group
+    is bound to a device and ``group`` is a part of the world, torch makes each new group's communicator by splitting
+    the default group's, which every rank of the world must join: then, if every rank of the world binds here
+    (``world_binds``), all of them make every rank's groups together; if not, the state goes flat, with a warning.
     """
+    split = splits_over_world(group)
+    if split and not world_binds:
+        if wire_name is not None and dist.get_rank(group) == 0:
+            warn_once(f"triton_hook: hierarchical=True on a process group of {dist.get_world_size(group)} of the "
+                      f"{dist.get_world_size()} ranks while the default group is bound to a device "
+                      "(init_process_group(device_id=...)): torch makes every new group by splitting the default "
+                      "group's communicator, which all ranks must join, and with profile=None only this group's ranks "
+                      f"bind here, so buckets go flat ({wire_name} over the group's ranks). Leave profile at 'auto' "
+                      "(every rank of the world then binds together), or init without device_id", all_ranks=True)
+        return None
+    layout = None
+    try:
+        layout = None if wire_name is None else _layout(group, wire_name, env)
+    finally:  # an error too: the other ranks of the world would wait for this one in the groups' making
+        if split and layout is None:
+            _make_over_world({})
+    if layout is None:
+        return None
+    nodes, mine, local_index = layout
+    global_ranks = dist.get_process_group_ranks(group)
+    node_group, cross_group, gather_group = _make_groups(group, nodes, mine, local_index, global_ranks, split)
+    # A process group orders its ranks by global rank: the cross exchange's shards follow that order, which is the
+    # nodes' order only when each node's ranks are contiguous.
+    node_index = dist.get_rank(cross_group)
+    return NodeGroups(len(nodes), len(nodes[0]), node_index, local_index, node_group, cross_group, gather_group,
+                      _reduce_scatter_has_future(node_group, len(nodes[0])))
+
+
+def splits_over_world(group: Any) -> bool:
+    """Whether making a group of ``group``'s ranks takes every rank of the world: the default group is bound to a
+    device (``init_process_group(device_id=...)``), so torch splits each new group's communicator from its
+    communicator (ncclCommSplit, collective over the world), and ``group`` is only a part of the world."""
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    return bound and dist.get_world_size(group) < dist.get_world_size()
+
+
+def _layout(group: Any, wire_name: str, env: Mapping[str, str]) -> Optional[Tuple[List[List[int]], int, int]]:
+    """The nodes of ``group`` (ranks of ``group`` by node), this rank's node and its place in it; None where the
+    nodes make no two-level exchange (warned), a ValueError where they are of different sizes. Collective over
+    ``group``: one all-gather, the same outcome on every rank."""
     digest = hashlib.sha256(node_name(env).encode()).hexdigest()
     nodes = partition(gather_text(digest, group))
     sizes = sorted({len(ranks) for ranks in nodes})
@@ -85,25 +133,19 @@ def bind_node_groups(group: Any, wire_name: str, env: Mapping[str, str] = os.env
                   f"exchange would add a hop and save nothing, so buckets go flat ({wire_name} over all ranks)")
         return None
     me = dist.get_rank(group)
-    global_ranks = dist.get_process_group_ranks(group)
     mine = next(k for k, ranks in enumerate(nodes) if me in ranks)
-    local_index = nodes[mine].index(me)
-    node_group, cross_group, gather_group = _make_groups(group, nodes, mine, local_index, global_ranks)
-    # A process group orders its ranks by global rank: the cross exchange's shards follow that order, which is the
-    # nodes' order only when each node's ranks are contiguous.
-    node_index = dist.get_rank(cross_group)
-    return NodeGroups(len(nodes), sizes[0], node_index, local_index, node_group, cross_group, gather_group,
-                      _reduce_scatter_has_future(node_group, sizes[0]))
+    return nodes, mine, nodes[mine].index(me)
 
 
 def _make_groups(group: Any, nodes: List[List[int]], mine: int, local_index: int,
-                 global_ranks: List[int]) -> Tuple[Any, Any, Any]:
+                 global_ranks: List[int], split: bool) -> Tuple[Any, Any, Any]:
     """This rank's node group, cross group and gather group.
 
     On the default group every rank creates every group in one order (``new_group``'s own rule, and the only one
     that holds whatever subgroups the job made before). On a part of the world, the other ranks may never get here:
     each group is made by its members only (``use_local_synchronization``), which needs every member to have made
-    the same groups before (torch names such a group after its ranks and the count of groups the process knows).
+    the same groups before (torch names such a group after its ranks and the count of groups the process knows);
+    unless ``split`` (``splits_over_world``): then every rank of the world makes every rank's groups.
     """
     backend, timeout = dist.get_backend(group), group_timeout(group)
     local_size = len(nodes[0])
@@ -113,6 +155,9 @@ def _make_groups(group: Any, nodes: List[List[int]], mine: int, local_index: int
         return [global_ranks[r] for r in ranks]
 
     wanted = {"node": mine, "cross": local_index, "gather": mine}
+    if split:
+        made = _make_over_world({kind: members(kind, index) for kind, index in wanted.items()}, backend, timeout)
+        return made["node"], made["cross"], made["gather"]
     made: Dict[str, Any] = {}
     agree_on_group_count(group)
     if len(global_ranks) == dist.get_world_size():
@@ -126,6 +171,23 @@ def _make_groups(group: Any, nodes: List[List[int]], mine: int, local_index: int
             made[kind] = dist.new_group(members(kind, wanted[kind]), backend=backend, timeout=timeout,
                                         use_local_synchronization=True)
     return made["node"], made["cross"], made["gather"]
+
+
+def _make_over_world(wanted: Dict[str, List[int]], backend: Any = None, timeout: Any = None) -> Dict[str, Any]:
+    """Every rank's node, cross and gather groups, made by every rank of the world in one order (each kind's rank
+    lists sorted); returns this rank's. ``wanted``: this rank's groups (kind -> global ranks), empty where its
+    state makes none. Collective over the world: one all-gather of what each rank wants, then the groups."""
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted)
+    agree_on_group_count(dist.group.WORLD)
+    made: Dict[str, Any] = {}
+    for kind in ("node", "cross", "gather"):
+        for ranks in sorted({tuple(asked[kind]) for asked in everyone if kind in asked}):
+            # A group's members all bind one state here, so they pass it the same backend and timeout.
+            created = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if list(ranks) == wanted.get(kind):
+                made[kind] = created
+    return made
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:

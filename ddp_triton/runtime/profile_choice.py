@@ -10,12 +10,10 @@ recorded, and every bucket goes to the one group.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from ..dtypes import normalize_dtype
@@ -75,8 +73,15 @@ def resolve_profile(spec: Any, world_size: int, comm_dtype: Any, backend: str) -
     raise TypeError(f"profile must be None, 'auto', a path or a Profile, got {type(spec).__name__}")
 
 
+def binding_group(spec: Any, group: Any) -> Any:
+    """The group whose every rank binds a state on ``group`` at the same point: the whole world (the profile's
+    agreement and its algorithm groups take it), except for a state of a subgroup given no profile (``spec`` None),
+    whose binding stays within its group (the other ranks may never build one)."""
+    return group if spec is None and group is not dist.group.WORLD else dist.group.WORLD
+
+
 def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, backend: str,
-                 wire_format: str, device: Optional[torch.device]) -> Tuple[Optional[Profile], Dict[str, Any]]:
+                 wire_format: str) -> Tuple[Optional[Profile], Dict[str, Any]]:
     """The profile a state follows and the process groups of its algorithms, agreed by every rank.
 
     Collective: every rank compares, whatever it was given (None included): a rank with a profile would otherwise
@@ -93,19 +98,15 @@ def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, bac
     except Exception as exc:  # raised below, after the ranks have compared: alone, it would leave the others waiting
         profile, failure = None, exc
     unusable = _unusable_here(profile, backend)
-    use_device = torch.cuda.device(device) if device is not None and device.type == "cuda" \
-        else contextlib.nullcontext()
-    agreement_group = group if spec is None and group is not dist.group.WORLD else dist.group.WORLD
+    agreement_group = binding_group(spec, group)
     groups: Dict[str, Any] = {}
-    with use_device:  # NCCL's collectives here run on the current device: make it the model's
-        _raise_together(failure, agreement_group, given=_describe_spec(spec))
-        check_profile_agreement(profile if unusable is None else unusable, agreement_group,
-                                given=_describe_spec(spec))
-        check_wire_agreement(wire_format, group)
-        if unusable is not None:
-            raise unusable.error
-        if profile is not None:
-            groups = make_algorithm_groups(profile.algorithms(), group)
+    _raise_together(failure, agreement_group, given=_describe_spec(spec))
+    check_profile_agreement(profile if unusable is None else unusable, agreement_group, given=_describe_spec(spec))
+    check_wire_agreement(wire_format, group)
+    if unusable is not None:
+        raise unusable.error
+    if profile is not None:
+        groups = make_algorithm_groups(profile.algorithms(), group)
     return profile, groups
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..machine.profile import AUTO_FORMAT
 from . import grad_stats as stats
+from .algo_groups import device_scope
 from .context import Context, bind_context
 from .exchange import ExchangeQueue
 from .options import ProfileSpec, check, settings_wire
@@ -217,7 +218,7 @@ class CommState:
         writes (Lightning's, Accelerate's). Collective; ``load_state_dict`` takes it on every rank."""
         if self.context is None:
             raise ValueError("all_ranks_state_dict needs a bound state (it gathers from every rank)")
-        with self.queue.ordered():
+        with self.queue.ordered(), device_scope(self.device):  # its gathers on the model's GPU, as the binding's
             return self.residuals.all_ranks_state_dict(self.context.group, {"wire_format": self.wire_setting})
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:

@@ -275,8 +275,7 @@ def _broken_cache_worker(rank, world_size, tmp, kind):
     records = _Records()
     logging.getLogger("ddp_triton").addHandler(records)
     profile, groups = profile_choice.bind_profile("auto", group=dist.group.WORLD, world_size=world_size,
-                                                  comm_dtype=torch.float32, backend="nccl", wire_format="fp32",
-                                                  device=None)
+                                                  comm_dtype=torch.float32, backend="nccl", wire_format="fp32")
     assert profile is None and groups == {}, "a cache that cannot be used leaves the choice to NCCL"
     if rank == 0:  # rank 0 speaks
         assert any("ignoring cached profile" in m and str(cached) in m for m in records.messages), records.messages
