@@ -5,7 +5,10 @@ write error ("Connection reset by peer", "Connection closed by peer"), NCCL with
 with a timeout where the peer hangs instead. Every place that waits on one of our collectives (the bucket's
 all-reduce, the exchange queue's stages, FSDP's reduce-scatter) translates its error here into a
 ``CollectiveError``, so that every wire format fails with one message: the collective and what it carried ("all_gather
-of bucket 3 (fp8e4m3+ef wire)"), that the connection to a peer was lost, and the backend's own words.
+of bucket 3 (fp8e4m3+ef wire)"), that the connection to a peer was lost, and the backend's own words. NCCL's futures
+complete when the work is queued on the GPU and never carry its failure: there a lost peer shows as the watchdog of
+torch's NCCL process group ending the process, after NCCL's remote error or the group's timeout, and this message
+only where issuing a collective raises (docs/troubleshooting.md says what a user sees and which settings speed it).
 
 A hook's result must fail as torch's own futures do: ``Future.set_exception`` from Python stores the exception as the
 future's value (raised only when Python reads it), and DDP's reducer, in C++, reads that value as the bucket's tensor
