@@ -142,21 +142,24 @@ def replica_rank_sets(process_group: ProcessGroup) -> List[List[int]]:
     return sorted({tuple(r) for r in gathered}, key=lambda r: (r[0], r))
 
 
-def make_algorithm_groups(algorithms: Iterable[str],
-                          process_group: Optional[ProcessGroup] = None) -> Dict[str, ProcessGroup]:
+def make_algorithm_groups(algorithms: Iterable[str], process_group: Optional[ProcessGroup] = None,
+                          made_on: Optional[str] = None) -> Dict[str, ProcessGroup]:
     """A process group per algorithm over the ranks of ``process_group`` (default: the whole world).
 
     NCCL: each group's communicator is initialised with ``NCCL_ALGO`` set to that algorithm; RuntimeError when NCCL
     is too old for one of them or cannot bring it up. Other backends: every algorithm maps to ``process_group``
-    itself (one algorithm there), with a warning once. Must be called by all ranks of the default group, with the
-    same ``algorithms``; ranks may pass different (disjoint) process groups, as replica groups are.
+    itself (one algorithm there), with a warning once, unless ``made_on`` (the backend the profile was made on) is
+    this one: such a profile recorded the one algorithm it had and chose none. Must be called by all ranks of the
+    default group, with the same ``algorithms``; ranks may pass different (disjoint) process groups, as replica
+    groups are.
     """
     algs = _canonical(algorithms)
     pg = process_group if process_group is not None else dist.group.WORLD
     backend = str(dist.get_backend(pg)).lower()
     if "nccl" not in backend:  # "nccl", or mixed ones such as "cpu:gloo,cuda:nccl"
-        warn_once(f"backend {backend!r} has one all-reduce algorithm: the profile's choice of "
-                  f"{', '.join(algs)} by size is recorded, but every bucket uses the same process group")
+        if made_on != backend:
+            warn_once(f"backend {backend!r} has one all-reduce algorithm: the profile's choice of "
+                      f"{', '.join(algs)} by size is recorded, but every bucket uses the same process group")
         return {a: pg for a in algs}
     check_nccl_support(algs, nccl_version())
     rank_sets = replica_rank_sets(pg)

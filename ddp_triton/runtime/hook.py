@@ -131,7 +131,7 @@ def reattach(ddp_model: torch.nn.parallel.DistributedDataParallel) -> Any:
         ddp_model._comm_hooks[:] = before
         raise
     if isinstance(entry[1], CommState):
-        entry[1].name_parameters(ddp_model.module)  # the unpickled model's parameters, for state_dict()
+        entry[1].follow_model(ddp_model)  # the unpickled model's parameters (for state_dict()) and buckets
     return entry[1]
 
 
@@ -161,7 +161,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
         state = CommState(**state_options)
     else:
         state.bind(state_options["process_group"], state_options.get("device"))
-    state.name_parameters(ddp_model.module)
+    state.follow_model(ddp_model)
     ddp_model.register_comm_hook(state, triton_hook)
     return state
 

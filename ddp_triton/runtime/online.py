@@ -10,9 +10,13 @@ fastest. The schedule is a function of the pass count (counted at each backward'
   bucket's exchange (the hook's call to its future's completion; CUDA events on a GPU).
 - At the first bucket of the pass after a timed one, the ranks' times go through one all-reduce (MAX), issued in
   the state's one order, so every rank decides on the same numbers with no broadcast.
-- The choice is the trial whose median step was fastest (``decide_format`` on the medians: the most accurate
-  format stands unless another's is more than 3% lower). A mix wins only if its steps beat the best single
-  format's: a format whose exchange is faster but whose passes hold up the step loses. The choice is then locked.
+- The choice is the most accurate format whose median step is within the noise of the fastest median
+  (``choose_within_noise``): formats a busy machine cannot tell apart are told apart by accuracy, not by chance.
+  The noise is measured in the same trials (``noise_of``: their samples' spread about their own medians), at least
+  ``SWITCH_TOLERANCE``, at most ``NOISE_CAP``, so that a format clearly faster always wins. A mix wins only if its
+  median step is below the chosen format's by more than the noise: a format whose exchange is faster but whose
+  passes hold up the step loses. The choice is then locked. Every input is an all-reduced time, so every rank
+  decides alike.
 
 Steady state: every ``CHECK_EVERY`` passes the median step of the window goes through one all-reduce (MAX), which is
 read at the next check, so no rank waits on it. When the step strays more than ``DRIFT`` from the first window after
@@ -27,14 +31,15 @@ import statistics
 import time
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from ..formats import canonical_name, sorted_by_preference
 from ..log import info_rank0, warn_once
-from ..machine.profile import Profile, TimingStats, decide_format, profile_from_choice, significantly_faster
+from ..machine.profile import Profile, profile_from_choice
+from ..machine.profile.format_rule import SWITCH_TOLERANCE
 from .collective_errors import run_collective
 
 TUNE_ONLINE = "online"
@@ -46,6 +51,15 @@ CHECK_EVERY = 10
 DRIFT = 0.2
 DRIFT_CHECKS = 2
 RETUNE_SPACING = 50
+#: How many pooled median absolute deviations (relative) two trials' medians may differ by chance. A median of four
+#: samples strays about 0.9 MAD and a difference of two medians about 1.3; the fastest of four formats of equal speed
+#: is the lowest of three such differences, which 4 MAD covers about 95% of the time (Gaussian noise, simulated).
+NOISE_SPREADS = 4.0
+#: The noise is never taken wider than this fraction of a median: a format more than 1.67x faster (1 / 0.6) wins
+#: however busy the machine, so a 2x lead (FP8 + EF's step at 200 Mbit/s is 2.5x flat bf16's on the emulated
+#: cluster, README) is never taken for noise; a smaller one wins where the machine is quiet enough to show it. Not
+#: lower: on two cores with a CPU burner, four samples' medians of formats of one speed were seen 1.5x apart.
+NOISE_CAP = 0.4
 
 _SUBJECT = "the online tuner's timings"
 Mark = Union[float, "torch.cuda.Event"]
@@ -216,25 +230,27 @@ class OnlineTuner:
             trial.exchanges.setdefault(i, []).append(combined[1 + i])
 
     def _mixed(self) -> Optional[Dict[int, str]]:
-        """Each bucket's fastest format by its exchanges' medians; None when one format is every bucket's."""
+        """Each bucket's format by its exchanges (``choose_within_noise``); None when one format is every
+        bucket's."""
         per_bucket = {}
         for i in sorted(self._bytes):
-            stats = {t.label: _stats(t.exchanges[i]) for t in self._trials if t.exchanges.get(i)}
-            if stats:
-                per_bucket[i] = decide_format(stats).format
+            samples = {t.label: t.exchanges[i] for t in self._trials if t.exchanges.get(i)}
+            if samples:
+                per_bucket[i] = choose_within_noise(samples)[0]
         return per_bucket if len(set(per_bucket.values())) > 1 else None
 
     def _decide(self, state: Any, p: int) -> None:
-        uniform = {t.label: _stats(t.steps) for t in self._trials if isinstance(t.assignment, str) and t.steps}
-        best = decide_format(uniform)
-        chosen: Assignment = best.format
+        uniform = {t.label: t.steps for t in self._trials if isinstance(t.assignment, str) and t.steps}
+        best, noise = choose_within_noise(uniform)
+        chosen: Assignment = best
         mixed = [t for t in self._trials if not isinstance(t.assignment, str) and t.steps]
-        if mixed and significantly_faster(_stats(mixed[0].steps), uniform[best.format]):
+        if mixed and statistics.median(mixed[0].steps) < statistics.median(uniform[best]) * (1.0 - noise):
             chosen = mixed[0].assignment
         indices = sorted(self._bytes)
         self.choice = {i: chosen if isinstance(chosen, str) else chosen[i] for i in indices}
         steps_ms = {t.label: round(1e3 * statistics.median(t.steps), 3) for t in self._trials if t.steps}
         self.decided = {i: {"format": self.choice[i], "elements": self._bytes[i], "step_ms": steps_ms,
+                            "noise": round(noise, 4),
                             "exchange_ms": {t.label: round(1e3 * statistics.median(t.exchanges[i]), 3)
                                             for t in self._trials if t.exchanges.get(i)}}
                         for i in indices}
@@ -244,7 +260,7 @@ class OnlineTuner:
         self._switch(state, chosen)
         shown = chosen if isinstance(chosen, str) else ", ".join(f"bucket {i}: {f}" for i, f in self.choice.items())
         info_rank0(f"ddp_triton online tuning #{self.tunings} at step {p}: {shown}; median step ms "
-                   + ", ".join(f"{k} {v}" for k, v in steps_ms.items()))
+                   + ", ".join(f"{k} {v}" for k, v in steps_ms.items()) + f" (noise {100 * noise:.1f}%)")
 
     def _switch(self, state: Any, assignment: Assignment) -> None:
         if assignment != self._assignment:
@@ -295,10 +311,12 @@ class OnlineTuner:
         tuning."""
         return None if self.choice is None or self._start is not None else {i: dict(d) for i, d in self.decided.items()}
 
-    def profile(self, ctx: Any) -> Profile:
-        """The choice as a profile (``profile_from_choice``) for the state's bound context."""
+    def profile(self, ctx: Any, bucket_cap_mb: Optional[float] = None) -> Profile:
+        """The choice as a profile (``profile_from_choice``) for the state's bound context and the job's DDP
+        ``bucket_cap_mb`` (None: unknown)."""
         nodes = ctx.nodes.n_nodes if ctx.nodes is not None else _nodes_from_launcher(ctx.world_size)
-        return profile_from_choice(self.decided, self.formats, ctx.profile, ctx.world_size, nodes, ctx.backend)
+        return profile_from_choice(self.decided, self.formats, ctx.profile, ctx.world_size, nodes, ctx.backend,
+                                   bucket_cap_mb)
 
     def check_saved(self, saved: Any) -> Dict[int, Dict[str, Any]]:
         """The per-bucket choice in ``saved`` (what ``state`` wrote), or a ValueError naming what is wrong."""
@@ -362,11 +380,32 @@ class OnlineTuner:
         return tensor.cpu() if wait else (work, tensor)
 
 
-def _stats(samples: List[float]) -> TimingStats:
-    """The median of a trial's times, as a point: from four samples an interval is their whole range, wider than
-    the differences that matter (a format 15% faster would stay within the noise), so the rule compares medians:
-    the more accurate format stands unless another's median is more than ``SWITCH_TOLERANCE`` lower."""
-    return TimingStats.point(1e6 * statistics.median(samples))
+def noise_of(samples: Mapping[str, Sequence[float]]) -> float:
+    """By what fraction two of these trials' medians may differ by chance: ``NOISE_SPREADS`` times the median of
+    every sample's relative distance from its own trial's median, within [``SWITCH_TOLERANCE``, ``NOISE_CAP``].
+
+    Pooled over the trials, because four samples say little of their own spread; the median, because a busy
+    machine's stalls are rare and long. Not each trial's min..max interval: that of four samples is wider than the
+    differences that matter (a format 15% faster would stay within it)."""
+    deviations = [abs(s / m - 1.0) for times in samples.values() if times
+                  for m in (statistics.median(times),) if m > 0 for s in times]
+    spread = statistics.median(deviations) if deviations else 0.0
+    return min(NOISE_CAP, max(SWITCH_TOLERANCE, NOISE_SPREADS * spread))
+
+
+def choose_within_noise(samples: Mapping[str, Sequence[float]]) -> Tuple[str, float]:
+    """The most accurate format whose median time is within the noise of the fastest median (``fastest >= median *
+    (1 - noise)``), and that noise (``noise_of``); ``samples``: each format's times (at least one format with one).
+
+    Accuracy is the formats' own order (``formats.sorted_by_preference``: fp32, then 16 bits with float32 sums
+    before without, then FP8 with error feedback). A function of the times alone: ranks given the same all-reduced
+    times choose alike."""
+    medians = {name: statistics.median(times) for name, times in samples.items() if times}
+    if not medians:
+        raise ValueError("no trial times to choose a format from")
+    noise = noise_of(samples)
+    fastest = min(medians.values())
+    return next(f for f in sorted_by_preference(list(medians)) if medians[f] * (1.0 - noise) <= fastest), noise
 
 
 def _nodes_from_launcher(world_size: int) -> int:
@@ -393,8 +432,9 @@ def tuned_choice(tuner: Optional[OnlineTuner], method: str = "tuned_formats") ->
     return tuner.tuned()
 
 
-def save_tuned_profile(tuner: Optional[OnlineTuner], ctx: Any, path: Any) -> Any:
-    """``CommState.save_profile``: write the choice as a profile (``profile_from_choice``); returns its path."""
+def save_tuned_profile(tuner: Optional[OnlineTuner], ctx: Any, path: Any, bucket_cap_mb: Optional[float] = None) -> Any:
+    """``CommState.save_profile``: write the choice as a profile (``profile_from_choice``) of the job's DDP
+    ``bucket_cap_mb`` (None: unknown); returns its path."""
     if tuned_choice(tuner, "save_profile") is None or ctx is None:
         raise ValueError("save_profile: online tuning has not chosen yet (it chooses in the job's first steps)")
-    return tuner.profile(ctx).save(path)
+    return tuner.profile(ctx, bucket_cap_mb).save(path)

@@ -106,7 +106,7 @@ def bind_profile(spec: Any, *, group: Any, world_size: int, comm_dtype: Any, bac
     if unusable is not None:
         raise unusable.error
     if profile is not None:
-        groups = make_algorithm_groups(profile.algorithms(), group)
+        groups = make_algorithm_groups(profile.algorithms(), group, made_on=profile.backend)
     return profile, groups
 
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..machine.profile import AUTO_FORMAT
+from ..machine.profile import AUTO_FORMAT, MiB
 from . import grad_stats as stats
 from .algo_groups import device_scope
 from .context import Context, bind_context
@@ -80,6 +80,9 @@ class CommState:
     """Restored from a state saved on a group other than the default one: it must be given one before binding."""
     tuner: Optional[OnlineTuner] = field(init=False, repr=False)
     """With ``tune="online"``: what chooses each bucket's format (``online.py``)."""
+    ddp_bucket_cap_mb: Optional[float] = field(init=False, repr=False)
+    """The bucket size of the DDP model the state is registered on (``follow_model``), which the profile online
+    tuning saves names; None: not known (the hook was registered without ``register``)."""
 
     def __post_init__(self) -> None:
         check_options({name: getattr(self, name) for name in STATE_OPTIONS})
@@ -91,6 +94,7 @@ class CommState:
         self.context, self.plans, self.residuals, self.queue = None, {}, ResidualStore(), ExchangeQueue()
         self.passes, self.per_parameter_calls, self.needs_group = 0, False, needs_group
         self.tuner = OnlineTuner(self.formats) if self.tune else None  # the options were checked
+        self.ddp_bucket_cap_mb = None
 
     @property
     def bound(self) -> bool:
@@ -202,6 +206,13 @@ class CommState:
         return summarize(self.latest_pass(), passes=self.passes, world_size=ctx and ctx.world_size,
                          backend=ctx and ctx.backend, timing=self.timing)
 
+    def follow_model(self, ddp_model: Any) -> None:
+        """Keep what the state needs of the DDP model it is registered on (``register`` and ``reattach`` call it):
+        its parameters' names (the residuals') and its bucket size (the profile online tuning saves)."""
+        self.name_parameters(ddp_model.module)
+        cap = getattr(ddp_model, "bucket_bytes_cap", None)
+        self.ddp_bucket_cap_mb = _cap_mb(cap) if isinstance(cap, int) and cap > 0 else None
+
     def name_parameters(self, module: torch.nn.Module) -> None:
         """Name the residuals' parameters after ``module``'s (``register`` and ``reattach`` do)."""
         self.residuals.name_parameters(module)
@@ -237,7 +248,17 @@ class CommState:
 
     def save_profile(self, path: Any) -> Any:
         """Write online tuning's choice as a profile that ``comm_dtype="auto"`` follows in the next run."""
-        return save_tuned_profile(self.tuner, self.context, path)
+        return save_tuned_profile(self.tuner, self.context, path, self.ddp_bucket_cap_mb)
+
+
+def _cap_mb(cap_bytes: int) -> float:
+    """The shortest ``bucket_cap_mb`` that DDP turns into ``cap_bytes`` (it truncates ``bucket_cap_mb * MiB``): the
+    value the user gave, 0.01 rather than 0.0099993."""
+    for digits in range(1, 17):
+        mb = float(f"{cap_bytes / MiB:.{digits}g}")
+        if int(mb * MiB) == cap_bytes:
+            return mb
+    return cap_bytes / MiB
 
 
 #: The options a CommState takes, with their defaults: its fields that are constructor arguments.

@@ -259,11 +259,15 @@ def fallback_profile(world_size: int, nodes: int, comm_dtype: str, backend: str)
 
 
 def profile_from_choice(decided: Dict[int, Dict[str, Any]], formats: Sequence[str], base: Optional[Profile],
-                  world_size: int, nodes: int, backend: str) -> Profile:
+                        world_size: int, nodes: int, backend: str, bucket_cap_mb: Optional[float] = None) -> Profile:
     """A profile whose format table is online tuning's choice (``decided``: per bucket index, its ``format`` and
     ``elements``), by bucket size, for ``comm_dtype="auto"`` in the next run: ``base`` (the profile the job
     followed) with that table, else a one-range ring profile. Of buckets of one size given different formats, the
-    first's holds."""
+    first's holds.
+
+    Its ``source`` is ``online`` and its bucket size the job's (``bucket_cap_mb``, DDP's; None: unknown, the base's
+    or DDP's default kept, and said so): the formats were measured on the job's own buckets, so a run that follows
+    the profile should build the same ones (``ddp_kwargs``)."""
     by_size = sorted((d["elements"] * 4, i, d["format"]) for i, d in decided.items())
     table: List[FormatRange] = []
     for grad_bytes, index, name in by_size:
@@ -282,4 +286,12 @@ def profile_from_choice(decided: Dict[int, Dict[str, Any]], formats: Sequence[st
     choice = FormatChoice(source="measured", allowed=list(formats), admitted=list(formats), table=table,
                           notes=notes)
     profile = base if base is not None else fallback_profile(world_size, nodes, "bfloat16", backend)
-    return dataclasses.replace(profile, formats=choice, notes=[*profile.notes, *notes])
+    if base is not None:
+        notes = [*notes, f"the algorithm table is that of the profile the job followed (source={base.source})"]
+    if bucket_cap_mb is not None:
+        mb, reason = bucket_cap_mb, "the job's DDP bucket_cap_mb, on whose buckets online tuning chose the formats"
+    else:
+        mb, reason = profile.bucket_cap_mb, (f"{profile.bucket_cap_mb:g} MiB: the job's bucket size is unknown "
+                                             "(its hook was registered without ddp_triton.register)")
+    return dataclasses.replace(profile, source="online", bucket_cap_mb=mb, bucket_reason=reason, formats=choice,
+                               notes=[*profile.notes, *notes])

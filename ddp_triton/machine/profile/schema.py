@@ -7,7 +7,8 @@ Schema, version 3 (``SCHEMA_VERSION``)::
 
     {
       "schema_version": 3,
-      "source": "model" | "measured" | "e2e",   # cost model, timed all-reduces, or timed training steps
+      "source": "model" | "measured" | "e2e" | "online",   # cost model, timed all-reduces, timed training steps,
+                                                           # or the formats online tuning chose in a job
       "world_size": 16, "nodes": 2,
       "comm_dtype": "bfloat16",                 # dtype the hook all-reduces in
       "bucket_cap_mb": 64.0,                    # DDP bucket_cap_mb to construct DDP with (see ddp_kwargs)
@@ -67,7 +68,7 @@ from ..cost_model import ALGORITHMS, Calibration
 from .rows import FormatChoice, SweepRow, TableEntry, _contiguous, _int, _refuse_unknown, _refuse_unknown_in_lists
 
 SCHEMA_VERSION = 3
-SOURCES = ("model", "measured", "e2e")
+SOURCES = ("model", "measured", "e2e", "online")
 #: The hook's ``comm_dtype`` that takes each bucket's wire format from a profile's ``formats``.
 AUTO_FORMAT = "auto"
 BACKENDS = ("nccl", "gloo", "model")
@@ -106,7 +107,8 @@ class Profile:
     """A tuning result: per-size algorithm table, the sweep behind it, and the DDP bucket size."""
 
     source: str
-    """``model`` (cost model), ``measured`` (timed all-reduces) or ``e2e`` (timed training steps)."""
+    """``model`` (cost model), ``measured`` (timed all-reduces), ``e2e`` (timed training steps) or ``online`` (the
+    formats a job's online tuning chose on its own buckets: ``CommState.save_profile``)."""
     world_size: int
     nodes: int
     comm_dtype: str

@@ -7,9 +7,11 @@ mean gradients: error feedback's residuals must reach the weights when a bucket 
 is part of ``test_failures.py``'s survivors test (its ``online`` case).
 """
 
+import logging
 import os
 import random
 import time
+import warnings
 
 import pytest
 import torch
@@ -19,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_triton
 from ddp_helpers import local_backward, make_data, make_model, torch_path_workers
+from ddp_triton import log as log_module
 from ddp_triton.dtypes import normalize_dtype
 from ddp_triton.formats import WireFormat
-from ddp_triton.machine.profile import load_profile
+from ddp_triton.machine.profile import ddp_kwargs, load_profile
 from ddp_triton.runtime import online
 
 FOUR = ["fp32", "bf16", "bf16+fp32sum", "fp8e4m3+ef"]
@@ -83,11 +86,6 @@ def test_every_rank_tries_the_same_formats_and_chooses_alike_under_stragglers():
     torch_path_workers(_stragglers_worker, 3, timeout=240)
 
 
-class _Decision:
-    def __init__(self, name):
-        self.format, self.reason, self.switched = name, "the test's", False
-
-
 class _Linear(nn.Module):
     """loss = sum(w * x): the gradient is x, whatever w is."""
 
@@ -118,7 +116,7 @@ def _nine_steps(model, rank, world_size, n, wire_now):
 
 def _residual_worker(rank, world_size, final):
     online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
-    online.decide_format = lambda stats, incumbent=None, tolerance=0.0: _Decision(final)
+    online.choose_within_noise = lambda samples: (final, 0.0)  # the test's choice
     n = 3000
     ddp = DDP(_Linear(n), bucket_cap_mb=25)
     state = ddp_triton.register(ddp, formats=["fp32", "fp8e4m3+ef"], **ONLINE)
@@ -188,6 +186,49 @@ def _resume_worker(rank, world_size, tmp):
 
 def test_a_resumed_job_keeps_the_choice_and_skips_tuning(tmp_path):
     torch_path_workers(_resume_worker, 2, str(tmp_path), timeout=240)
+
+
+def _saved_profile_worker(rank, world_size, tmp):
+    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
+    state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
+    _train(ddp, rank, world_size, 1 + 3 * 3 + 1)  # two formats and, at most, their mix, three passes each
+    tuned = state.tuned_formats()
+    assert tuned is not None
+    path = os.path.join(tmp, "online.json")
+    if rank == 0:
+        state.save_profile(path)
+    dist.barrier()
+
+    # The profile says what made it: this job's own steps, on its DDP buckets and world size.
+    profile = load_profile(path)
+    assert profile.source == "online", profile.summary()
+    assert profile.bucket_cap_mb == 0.01 and "online" in profile.bucket_reason, profile.summary()
+    assert ddp_kwargs(profile) == {"bucket_cap_mb": 0.01}
+    assert (profile.world_size, profile.nodes, profile.backend) == (world_size, 1, "gloo"), profile.summary()
+
+    # Loaded back into the same job it binds and trains without a word of warning.
+    log_module._reset_warn_once()
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log_module.logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            followed = DDP(_wide_model(), **ddp_kwargs(profile))
+            follower = ddp_triton.register(followed, comm_dtype="auto", profile=path)
+            _train(followed, rank, world_size, 3)
+    finally:
+        log_module.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+    assert [str(w.message) for w in caught if "ddp_triton" in w.filename] == []
+    assert {p.record.index: p.record.wire_format for p in follower.latest_pass()} == {
+        i: telemetry_name(entry["format"]) for i, entry in tuned.items()}
+
+
+def test_a_saved_online_choice_describes_its_job_and_loads_back_without_a_warning(tmp_path):
+    torch_path_workers(_saved_profile_worker, 2, str(tmp_path), timeout=240)
 
 
 def _drift_worker(rank, world_size):
@@ -275,7 +316,7 @@ def _fsdp_residual_worker(rank, world_size):
     import ddp_triton.fsdp
 
     online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
-    online.decide_format = lambda stats, incumbent=None, tolerance=0.0: _Decision("fp32")
+    online.choose_within_noise = lambda samples: ("fp32", 0.0)  # the test's choice
     n = 3000
     model = _fsdp_shard(_Linear(n), world_size)
     state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online", formats=["fp32", "fp8e4m3+ef"])
