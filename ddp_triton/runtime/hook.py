@@ -155,8 +155,9 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
     if state is None:
         check_options(state_options)  # CommState(**) would meet a misspelt option as Python's TypeError
     state_options.setdefault("process_group", ddp_model.process_group)
-    if ddp_model.device_ids:
-        state_options.setdefault("device", torch.device("cuda", ddp_model.device_ids[0]))
+    device = model_cuda_device(ddp_model)
+    if device is not None:
+        state_options.setdefault("device", device)
     if state is None:
         state = CommState(**state_options)
     else:
@@ -164,6 +165,20 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: Option
     state.follow_model(ddp_model)
     ddp_model.register_comm_hook(state, triton_hook)
     return state
+
+
+def model_cuda_device(ddp_model: Any) -> Optional[torch.device]:
+    """The GPU a DDP model lives on, where the binding's collectives must run: its ``device_ids[0]``, else
+    (``DDP(model)`` without device_ids) the one CUDA device of its parameters; None for a CPU model or one spread over
+    devices. Not the current device, which a script that only did ``model.to(local_rank)`` leaves at GPU 0."""
+    if ddp_model.device_ids:
+        return torch.device("cuda", ddp_model.device_ids[0])
+    devices = {p.device for p in ddp_model.module.parameters()}
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return None
 
 
 _default_states: Dict[int, CommState] = {}
