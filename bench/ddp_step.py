@@ -285,7 +285,7 @@ def take_turns(timers: Sequence[Tuple[str, Callable[[int, int], List[float]]]], 
     """Time each variant (``timer(steps, warmup)``: milliseconds per step) in turn, ``rounds`` times: a slow patch of
     the machine (clocks, another tenant) hits them all alike. ``steps`` spread over the rounds, ``warmup`` untimed
     steps before a variant's first round and ``later_warmup`` before the others. A row per variant: the median and
-    fastest step, and with ``link_iface`` the bytes each node's link moved per step (over the rounds after the
+    fastest step, the mean (a job's pace: its slow steps count as they cost it), and with ``link_iface`` the bytes each node's link moved per step (over the rounds after the
     first, when there are any: the first holds one-time traffic, DDP's rebuild after step 0, FP8's residual
     re-slice)."""
     times: List[List[float]] = [[] for _ in timers]
@@ -306,7 +306,8 @@ def take_turns(timers: Sequence[Tuple[str, Callable[[int, int], List[float]]]], 
                              counts[2] + per_round + warm]
     rows = []
     for (variant, _), ts, counts in zip(timers, times, link):
-        row = {"variant": variant, "median_ms": statistics.median(ts), "min_ms": min(ts), "steps": len(ts)}
+        row = {"variant": variant, "median_ms": statistics.median(ts), "mean_ms": statistics.fmean(ts),
+               "min_ms": min(ts), "steps": len(ts)}
         if link_iface:
             row.update(node_link_per_step(*counts))
         rows.append(row)
@@ -453,6 +454,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "per variant (default 5)")
     p.add_argument("--rounds", type=int, default=5, help="the variants take turns this many times (not in --profile)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's intra-op threads per rank (torch.set_num_threads; default: torch's own, every core, "
+                        "which ranks sharing a CPU oversubscribe)")
     p.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 8 (gpt2), 2 (gpt2 --small)")
     p.add_argument("--seq", type=int, default=None, help="gpt2: tokens per sequence (default: the context, 1024; "
                                                           "32 with --small)")
@@ -501,12 +505,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--backward-ms takes a non-negative time, for --model mlp")
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
 
     global FORMAT_PROFILE
     FORMAT_PROFILE = args.format_profile
     if any(v in GRAPH_VARIANTS for v in args.variants.split(",")):
         # torch's recipe for capturing DDP in a CUDA graph: NCCL's async error handling off, before the group exists
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     if cpu_sized and rank == 0:
@@ -536,14 +544,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             env.update(profiled_steps=args.steps, warmup=args.warmup)
             report_profiles(env, results, notes, out_dir, work.stem.replace("ddp_step", "ddp_profile"))
         else:
-            headers = ["variant", "bucket view", "median ms", "min ms", "x no hook (same view)"]
+            headers = ["variant", "bucket view", "median ms", "mean ms", "min ms", "x no hook (same view)"]
             if args.link_iface:
                 headers += ["node link MB sent per step", "node link MB received per step"]
             if args.timeline:
                 headers += ["exposed ms (timeline step)", "x last bucket's link-byte time",
                             "x link-byte time still to cross", "a peer's last hook, ms later"]
-            table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["min_ms"],
-                                            r["vs_no_hook"]]
+            table = format_table(headers, [[r["variant"], r["gradient_as_bucket_view"], r["median_ms"], r["mean_ms"],
+                                            r["min_ms"], r["vs_no_hook"]]
                                            + ([r["node_link_tx_bytes_per_step"] / 1e6,
                                                r["node_link_rx_bytes_per_step"] / 1e6] if args.link_iface else [])
                                            + ([r.get("timeline_exposed_ms"), r.get("timeline_exposed_over_link"),

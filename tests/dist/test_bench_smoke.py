@@ -174,6 +174,7 @@ def test_variants_take_turns_and_link_bytes_are_counted_per_step(monkeypatch):
     # a's steps took 2, 1, 3 ms in its three rounds (1 ms x (calls so far mod 3 + 1)), b's 30, 20, 10
     assert [(r["variant"], r["steps"], r["median_ms"], r["min_ms"]) for r in rows] == [
         ("a", 6, 2.0, 1.0), ("b", 6, 20.0, 10.0)]
+    assert [r["mean_ms"] for r in rows] == [pytest.approx(2.0), pytest.approx(20.0)]  # a job's pace: every step
     for r in rows:
         assert (r["node_link_tx_bytes_per_step"], r["node_link_rx_bytes_per_step"]) == (100.0, 30.0)
 
