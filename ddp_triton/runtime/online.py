@@ -129,6 +129,8 @@ class OnlineTuner:
         self._baseline: Optional[float] = None
         self._drifted = 0
         self._restored: Optional[Dict[int, int]] = None
+        self.calls = TunerCalls()
+        """Its clock, CUDA and collective calls (a test stands in for them)."""
         if formats:
             self.admit(formats)
 
@@ -157,7 +159,7 @@ class OnlineTuner:
         ``state``, the host, so that the buckets bind in their next formats). The host: a CommState, or FSDP's
         ``FSDPTuning``."""
         if state.passes != self._seen_pass:
-            if is_cuda and torch.cuda.is_current_stream_capturing():
+            if is_cuda and self.calls.capturing():
                 raise RuntimeError("triton_hook: tune='online' times the job's steps in Python, which a CUDA graph's "
                                    "replay does not run: capture a state with a fixed format, or comm_dtype='auto' "
                                    "with the profile online tuning saved (state.save_profile)")
@@ -352,11 +354,7 @@ class OnlineTuner:
     # ---- clocks and the one collective ------------------------------------------------------------------------
 
     def _mark(self) -> Mark:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return self.calls.event() if self._cuda else self.calls.now()
 
     def _seconds(self, a: Mark, b: Mark) -> float:
         if self._cuda:
@@ -372,12 +370,48 @@ class OnlineTuner:
 
     def _all_reduce_max(self, state: Any, values: List[float], wait: bool = True) -> Any:
         group = state.context.group
-        device = torch.device("cuda", torch.cuda.current_device()) if self._cuda else torch.device("cpu")
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        tensor = self.calls.tensor(values, self.calls.device() if self._cuda else torch.device("cpu"))
         with state.queue.ordered():
-            work = run_collective("all_reduce", _SUBJECT, dist.all_reduce, tensor, op=dist.ReduceOp.MAX,
-                                  group=group, async_op=not wait)
+            work = run_collective("all_reduce", _SUBJECT, self.calls.all_reduce_max, tensor, group, not wait)
         return tensor.cpu() if wait else (work, tensor)
+
+
+class TunerCalls:
+    """Every clock, CUDA and collective call the online tuner makes, in one small object, so that a test can stand
+    in for it: a fake clock drives the schedule without a wall clock, and a recorder of the CUDA calls, with no GPU,
+    flags any that would make the host wait."""
+
+    @staticmethod
+    def now() -> float:
+        """The host's clock, in seconds (marks on CPU tensors)."""
+        return time.perf_counter()
+
+    @staticmethod
+    def capturing() -> bool:
+        """Whether the current CUDA stream is being captured into a graph."""
+        return torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
+    def event() -> Any:
+        """A timing CUDA event, recorded on the current stream (marks on CUDA tensors)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def device() -> torch.device:
+        """The current CUDA device."""
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @staticmethod
+    def tensor(values: List[float], device: torch.device) -> torch.Tensor:
+        """``values`` as a float64 tensor on ``device``, copied from pageable memory (on a GPU the host waits)."""
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    @staticmethod
+    def all_reduce_max(tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
+        """The ranks' elementwise maximum of ``tensor``, in place; its work when ``async_op``."""
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 def noise_of(samples: Mapping[str, Sequence[float]]) -> float:
