@@ -5,11 +5,19 @@ fastest. The schedule is a function of the pass count (counted at each backward'
 
 - Tuning starts at pass 1 (DDP rebuilds its buckets after pass 0), or where drift asked for it (below).
 - A trial is one assignment of formats to buckets: first each admitted format on every bucket, then, where the
-  buckets' fastest formats differ, the mix of them. Each trial runs ``WARM_PASSES`` passes that bind its plans,
-  then ``MEASURED_PASSES`` timed ones: the step (from the last bucket's completion to the next pass's) and each
-  bucket's exchange (the hook's call to its future's completion; CUDA events on a GPU).
+  buckets' fastest formats differ, the mix of them. The formats' trials are interleaved in ``ROUNDS`` rounds, each
+  giving every format ``WARM_PASSES`` passes that bind its plans (a switch drops them), then ``MEASURED_PASSES``
+  timed ones, in accuracy order in even rounds and the reverse in odd ones: every format sees every stretch of the
+  machine's load, and a steady drift within a round favours none. A timed pass gives the step (from the last
+  bucket's completion to the next pass's) and each bucket's exchange (the hook's call to its future's completion;
+  CUDA events on a GPU). The mix's trial follows the rounds: ``WARM_PASSES``, then ``ROUNDS * MEASURED_PASSES``
+  timed passes.
 - At the first bucket of the pass after a timed one, the ranks' times go through one all-reduce (MAX), issued in
-  the state's one order, so every rank decides on the same numbers with no broadcast.
+  the state's one order, so every rank decides on the same numbers with no broadcast. On a GPU that pass waits for
+  the timed one's events and the all-reduce (tuning only: the steady state below never waits).
+- Each time taken in a round is scaled to the last round's load (``at_one_load``: by the ratio of the two rounds'
+  levels, a level being the median of every time of its round), so a load that changes between rounds moves every
+  format alike and decides nothing.
 - The choice is the most accurate format whose median step is within the noise of the fastest median
   (``choose_within_noise``): formats a busy machine cannot tell apart are told apart by accuracy, not by chance.
   The noise is measured in the same trials (``noise_of``: their samples' spread about their own medians), at least
@@ -22,7 +30,7 @@ Steady state: every ``CHECK_EVERY`` passes the median step of the window goes th
 read at the next check, so no rank waits on it. When the step strays more than ``DRIFT`` from the first window after
 the lock for ``DRIFT_CHECKS`` checks in a row, and ``RETUNE_SPACING`` passes have gone since tuning last ended,
 tuning starts again. A bucket leaving an FP8 format with error feedback hands its residuals to its next exchange
-(``residuals.take_for_fold``): nothing is lost at a switch.
+(``residuals.take_for_fold``): nothing is lost at a switch, however often the rounds switch.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import statistics
 import time
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from itertools import zip_longest
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -45,8 +54,14 @@ from .collective_errors import run_collective
 TUNE_ONLINE = "online"
 #: The formats admitted when the user names none and the profile admits none: no FP8 unless the user names it.
 DEFAULT_ONLINE_FORMATS: Tuple[str, ...] = ("fp32", "bf16", "bf16+fp32sum")
+#: Per format and round, the untimed passes after a switch: the first binds the format's plans (and, leaving FP8 with
+#: error feedback, hands its residuals on), which the timed passes must not pay.
 WARM_PASSES = 1
-MEASURED_PASSES = 4
+#: Per format and round, the timed passes. One: the more the rounds, the finer the load is followed.
+MEASURED_PASSES = 1
+#: Rounds of every format: ROUNDS * MEASURED_PASSES = 4 timed passes per format (NOISE_SPREADS is set for four), in
+#: ROUNDS * (WARM_PASSES + MEASURED_PASSES) = 8 passes per format (one format after another took 5).
+ROUNDS = 4
 CHECK_EVERY = 10
 DRIFT = 0.2
 DRIFT_CHECKS = 2
@@ -94,10 +109,27 @@ class _Trial:
     """Seconds per step, each the slowest rank's."""
     exchanges: Dict[int, List[float]] = field(default_factory=dict)
     """Per bucket index, seconds per exchange, each the slowest rank's."""
+    rounds: List[Optional[int]] = field(default_factory=list)
+    """Per timed pass, the round it was taken in; None (or missing): outside the rounds (the mix's trial)."""
 
     @property
     def label(self) -> str:
         return self.assignment if isinstance(self.assignment, str) else "mixed"
+
+    def in_rounds(self, times: Sequence[float]) -> List[Tuple[Optional[int], float]]:
+        """``times`` (its steps, or one bucket's exchanges) with the round of each."""
+        return [(r, t) for r, t in zip_longest(self.rounds[:len(times)], times)]
+
+
+def uniform_rounds(n_formats: int) -> List[Tuple[int, int, bool]]:
+    """Per pass from tuning's first, the uniform trials' schedule: the format (its index in accuracy order), the
+    round, and whether the pass is timed. ``ROUNDS`` rounds, even ones in accuracy order, odd ones reversed; in each
+    every format has ``WARM_PASSES`` passes, then ``MEASURED_PASSES`` timed."""
+    passes: List[Tuple[int, int, bool]] = []
+    for r in range(ROUNDS):
+        for f in (range(n_formats) if r % 2 == 0 else reversed(range(n_formats))):
+            passes += [(f, r, False)] * WARM_PASSES + [(f, r, True)] * MEASURED_PASSES
+    return passes
 
 
 class OnlineTuner:
@@ -114,6 +146,8 @@ class OnlineTuner:
         self._start: Optional[int] = 1
         """The pass the next (or current) tuning starts at; None once locked and no re-tune is due."""
         self._trials: List[_Trial] = []
+        self._schedule: List[Tuple[int, Optional[int], bool]] = []
+        """Per pass of the current tuning: its trial's index, round and whether it is timed."""
         self._assignment: Optional[Assignment] = None
         self._seen_pass = -1
         self._cuda = False
@@ -201,33 +235,34 @@ class OnlineTuner:
             if self.choice is not None:
                 self._steady(state, p, steps)
             return
-        step = None if steps is None else self._seconds(*steps)
         since = p - self._start
-        span = WARM_PASSES + MEASURED_PASSES
-        trial = (since - 1) // span
-        if since >= 1 and (since - 1) % span >= WARM_PASSES and trial < len(self._trials):
-            exchanges = {i: self._seconds(starts[i], ends[i]) for i in sorted(ends) if i in starts}
-            self._record(state, self._trials[trial], step, exchanges)
-        if since % span:
-            return
-        done = since // span
-        if done == 0:
+        if since == 0:
             self._trials = [_Trial(name) for name in self.formats]
-        elif done == len(self.formats):
+            self._schedule = list(uniform_rounds(len(self.formats)))
+        elif since <= len(self._schedule) and self._schedule[since - 1][2]:  # the pass just ended was timed
+            trial, r, _ = self._schedule[since - 1]
+            step = None if steps is None else self._seconds(*steps)
+            exchanges = {i: self._seconds(starts[i], ends[i]) for i in sorted(ends) if i in starts}
+            self._record(state, self._trials[trial], r, step, exchanges)
+        if since == len(self._schedule) and len(self._trials) == len(self.formats):
             mixed = self._mixed()
             if mixed is not None:
                 self._trials.append(_Trial(mixed))
-        if done < len(self._trials):
-            self._switch(state, self._trials[done].assignment)
+                self._schedule += ([(len(self.formats), None, False)] * WARM_PASSES
+                                   + [(len(self.formats), None, True)] * (ROUNDS * MEASURED_PASSES))
+        if since < len(self._schedule):
+            self._switch(state, self._trials[self._schedule[since][0]].assignment)
         else:
             self._decide(state, p)
 
-    def _record(self, state: Any, trial: _Trial, step: Optional[float], exchanges: Dict[int, float]) -> None:
-        """Combine one timed pass's times across ranks (MAX) and keep them with ``trial``."""
+    def _record(self, state: Any, trial: _Trial, r: Optional[int], step: Optional[float],
+                exchanges: Dict[int, float]) -> None:
+        """Combine one timed pass's times across ranks (MAX) and keep them with ``trial``, taken in round ``r``."""
         n = max(self._bytes) + 1 if self._bytes else 0
         local = [step if step is not None else 0.0] + [exchanges.get(i, 0.0) for i in range(n)]
         combined = self._all_reduce_max(state, local).tolist()
         trial.steps.append(combined[0])
+        trial.rounds.append(r)
         for i in range(n):
             trial.exchanges.setdefault(i, []).append(combined[1 + i])
 
@@ -236,13 +271,18 @@ class OnlineTuner:
         bucket's."""
         per_bucket = {}
         for i in sorted(self._bytes):
-            samples = {t.label: t.exchanges[i] for t in self._trials if t.exchanges.get(i)}
+            samples = self._uniform(lambda t: t.exchanges.get(i, []))
             if samples:
                 per_bucket[i] = choose_within_noise(samples)[0]
         return per_bucket if len(set(per_bucket.values())) > 1 else None
 
+    def _uniform(self, times: Callable[[_Trial], List[float]]) -> Dict[str, List[float]]:
+        """Per uniform trial (by format), ``times(trial)`` at the last round's load (``at_one_load``)."""
+        return at_one_load({t.label: t.in_rounds(times(t)) for t in self._trials
+                            if isinstance(t.assignment, str) and times(t)})
+
     def _decide(self, state: Any, p: int) -> None:
-        uniform = {t.label: t.steps for t in self._trials if isinstance(t.assignment, str) and t.steps}
+        uniform = self._uniform(lambda t: t.steps)
         best, noise = choose_within_noise(uniform)
         chosen: Assignment = best
         mixed = [t for t in self._trials if not isinstance(t.assignment, str) and t.steps]
@@ -250,11 +290,14 @@ class OnlineTuner:
             chosen = mixed[0].assignment
         indices = sorted(self._bytes)
         self.choice = {i: chosen if isinstance(chosen, str) else chosen[i] for i in indices}
-        steps_ms = {t.label: round(1e3 * statistics.median(t.steps), 3) for t in self._trials if t.steps}
+        steps = {**uniform, **{t.label: t.steps for t in mixed}}
+        steps_ms = {label: round(1e3 * statistics.median(times), 3) for label, times in steps.items()}
+        exchanges = {i: {**self._uniform(lambda t: t.exchanges.get(i, [])),
+                         **{t.label: t.exchanges[i] for t in mixed if t.exchanges.get(i)}} for i in indices}
         self.decided = {i: {"format": self.choice[i], "elements": self._bytes[i], "step_ms": steps_ms,
                             "noise": round(noise, 4),
-                            "exchange_ms": {t.label: round(1e3 * statistics.median(t.exchanges[i]), 3)
-                                            for t in self._trials if t.exchanges.get(i)}}
+                            "exchange_ms": {label: round(1e3 * statistics.median(times), 3)
+                                            for label, times in exchanges[i].items()}}
                         for i in indices}
         self.tunings += 1
         self._start, self._locked_at, self._window, self._baseline, self._drifted = None, p, [], None, 0
@@ -412,6 +455,25 @@ class TunerCalls:
     def all_reduce_max(tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
         """The ranks' elementwise maximum of ``tensor``, in place; its work when ``async_op``."""
         return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+
+
+def at_one_load(samples: Mapping[str, Sequence[Tuple[Optional[int], float]]]) -> Dict[str, List[float]]:
+    """Each trial's times, given with the round each was taken in, as at the last round's load: a time of round r
+    times the last round's level over round r's, a round's level being the median of every time taken in it (every
+    format's, so the formats' own speeds do not move it). A time taken outside the rounds (round None) is kept.
+
+    The rounds interleave the formats, so a load that changes between rounds moves each round's level and every
+    format's times with it: scaled, it decides nothing. The last round's, because the mix's trial follows it. A
+    function of the all-reduced times alone: every rank scales alike."""
+    by_round: Dict[int, List[float]] = {}
+    for times in samples.values():
+        for r, t in times:
+            if r is not None:
+                by_round.setdefault(r, []).append(t)
+    levels = {r: statistics.median(times) for r, times in by_round.items()}
+    last = levels[max(levels)] if levels else 0.0
+    return {name: [t * last / levels[r] if r is not None and levels[r] > 0 else t for r, t in times]
+            for name, times in samples.items()}
 
 
 def noise_of(samples: Mapping[str, Sequence[float]]) -> float:

@@ -138,7 +138,7 @@ FLAT = {
     "fp8e4m3+ef": dict(comm_dtype=torch.float8_e4m3fn),  # all-to-all, float32 sum, all-gather
     "fp8e5m2": dict(comm_dtype=torch.float8_e5m2, error_feedback=False),
 }
-# Online tuning, killed mid-tuning (its trials run passes 1-25): the bucket's collective in the trial's format
+# Online tuning, killed mid-tuning (its trials run passes 1-37): the bucket's collective in the trial's format
 # fails, or the tuner's one all-reduce of the ranks' timings.
 ONLINE = {"online": dict(comm_dtype="auto", tune="online", profile=None,
                          formats=["fp32", "bf16", "bf16+fp32sum", "fp8e4m3+ef"])}

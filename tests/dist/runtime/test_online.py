@@ -35,6 +35,18 @@ def _wide_model():
     return make_model(widths=(8, 64, 64, 64, 4))  # with bucket_cap_mb=0.01: three buckets
 
 
+def _short_rounds():
+    """Two rounds of a warm and a timed pass per format: every part of the schedule, in fewer steps."""
+    online.WARM_PASSES, online.MEASURED_PASSES, online.ROUNDS = 1, 1, 2
+
+
+def _decided_at(n_formats, mixed=True, start=1):
+    """The pass at whose first bucket a tuning of ``n_formats`` that starts at pass ``start`` decides, with the mix's
+    trial when ``mixed`` (at most that pass: the mix is tried only where the buckets' fastest formats differ)."""
+    mix = online.WARM_PASSES + online.ROUNDS * online.MEASURED_PASSES if mixed else 0
+    return start + len(online.uniform_rounds(n_formats)) + mix
+
+
 def _train(ddp, rank, world_size, steps, first=0, straggle=0.0, seed=0):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     sleeps = random.Random(seed * 100 + rank)
@@ -56,13 +68,12 @@ def _gathered(value, world_size):
 def _stragglers_worker(rank, world_size):
     ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
     state = ddp_triton.register(ddp, formats=FOUR, **ONLINE)
-    span = online.WARM_PASSES + online.MEASURED_PASSES
-    uniform_trials_end = 1 + len(FOUR) * span  # the pass at whose first bucket the four formats' times are in
-    last_trial_ends = uniform_trials_end + span  # and their mix, if it is tried
+    uniform_trials_end = _decided_at(len(FOUR), mixed=False)  # the pass at whose first bucket the rounds are in
+    last_trial_ends = _decided_at(len(FOUR))  # and their mix, if it is tried
     _train(ddp, rank, world_size, uniform_trials_end, straggle=0.02, seed=1)
     assert state.tuned_formats() is None  # still tuning
     _train(ddp, rank, world_size, last_trial_ends + 1 - uniform_trials_end, first=uniform_trials_end)
-    assert state.passes <= 30
+    assert state.passes == last_trial_ends + 1 <= 39  # four rounds of four formats, a warm and a timed pass each
     tuned = state.tuned_formats()
     assert tuned is not None and len(tuned) >= 2, tuned
     assert all(entry["format"] in FOUR and set(entry["step_ms"]) >= set(FOUR) for entry in tuned.values())
@@ -97,13 +108,18 @@ class _Linear(nn.Module):
         return (self.w * x).sum()
 
 
-def _nine_steps(model, rank, world_size, n, wire_now):
-    """Nine SGD steps (lr 1) of ``_Linear`` on each rank's own input: the sum of the averaged gradients, which is
-    what the steps should have applied, and the wire format (``wire_now()``) after each step."""
+#: Three rounds of fp32 and FP8 + EF, a warm and a timed pass each (in alternating order), from pass 1: the bucket
+#: goes into FP8 twice and leaves it in between, then the decision at pass 13.
+SWITCHING = ["fp32", "fp32", "fp8", "fp8", "fp8", "fp8", "fp32", "fp32", "fp32", "fp32", "fp8", "fp8"]
+
+
+def _switching_steps(model, rank, world_size, n, wire_now, steps=15):
+    """``steps`` SGD steps (lr 1) of ``_Linear`` on each rank's own input: the sum of the averaged gradients, which
+    is what the steps should have applied, and the wire format (``wire_now()``) after each step."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     truth = torch.zeros(n, dtype=torch.float64)
     seen = []
-    for step in range(9):
+    for step in range(steps):
         xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + r)) * (1 + r) for r in
               range(world_size)]
         truth += torch.stack(xs).double().mean(0)
@@ -115,15 +131,15 @@ def _nine_steps(model, rank, world_size, n, wire_now):
 
 
 def _residual_worker(rank, world_size, final):
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
+    online.WARM_PASSES, online.MEASURED_PASSES, online.ROUNDS = 1, 1, 3
     online.choose_within_noise = lambda samples: (final, 0.0)  # the test's choice
     n = 3000
     ddp = DDP(_Linear(n), bucket_cap_mb=25)
     state = ddp_triton.register(ddp, formats=["fp32", "fp8e4m3+ef"], **ONLINE)
-    fp32, fp8 = telemetry_name("fp32"), telemetry_name("fp8e4m3+ef")
-    truth, seen = _nine_steps(ddp, rank, world_size, n, lambda: state.latest_pass()[0].record.wire_format)
-    # passes 1-2: fp32, 3-4: FP8, then the decision (the mix is never tried: one format is every bucket's fastest)
-    assert seen[1] == fp32 and seen[3] == fp8 and seen[-1] == telemetry_name(final), seen
+    names = {"fp32": telemetry_name("fp32"), "fp8": telemetry_name("fp8e4m3+ef")}
+    truth, seen = _switching_steps(ddp, rank, world_size, n, lambda: state.latest_pass()[0].record.wire_format)
+    # The rounds, then the decision (the mix is never tried: one format is every bucket's fastest)
+    assert seen[1:13] == [names[s] for s in SWITCHING] and seen[13:] == [telemetry_name(final)] * 2, seen
     applied = -ddp.module.w.detach().double()
     residual = state.state_dict()["first_stage"]
     if final == "fp32":  # the residuals went into the first fp32 exchange: nothing is owed, nothing was lost
@@ -141,10 +157,10 @@ def test_a_bucket_leaving_fp8_hands_its_residuals_to_its_next_exchange(final):
 
 
 def _resume_worker(rank, world_size, tmp):
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    _short_rounds()
     ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
     state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
-    _train(ddp, rank, world_size, 1 + 3 * 3 + 1)  # two formats and, at most, their mix, three passes each
+    _train(ddp, rank, world_size, _decided_at(2) + 1)  # two formats and, at most, their mix
     tuned = state.tuned_formats()
     assert tuned is not None
     saved = state.state_dict()
@@ -169,8 +185,8 @@ def _resume_worker(rank, world_size, tmp):
     third = ddp_triton.register(other, formats=["fp32", "bf16"], **ONLINE)
     third.load_state_dict(saved)
     _train(other, rank, world_size, 3)
-    assert third.tuned_formats() is None  # tuning again
-    _train(other, rank, world_size, 3 * 3 + 1, first=3)
+    assert third.tuned_formats() is None  # tuning again, from pass 2 (one bucket: no mix)
+    _train(other, rank, world_size, _decided_at(2, mixed=False, start=2) + 1 - 3, first=3)
     assert third.tuner.tunings == 1 and len(third.tuned_formats()) == 1
 
     # The profile it wrote gives comm_dtype="auto" each bucket size's chosen format.
@@ -189,10 +205,10 @@ def test_a_resumed_job_keeps_the_choice_and_skips_tuning(tmp_path):
 
 
 def _saved_profile_worker(rank, world_size, tmp):
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    _short_rounds()
     ddp = DDP(_wide_model(), bucket_cap_mb=0.01)
     state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
-    _train(ddp, rank, world_size, 1 + 3 * 3 + 1)  # two formats and, at most, their mix, three passes each
+    _train(ddp, rank, world_size, _decided_at(2) + 1)  # two formats and, at most, their mix
     tuned = state.tuned_formats()
     assert tuned is not None
     path = os.path.join(tmp, "online.json")
@@ -232,7 +248,7 @@ def test_a_saved_online_choice_describes_its_job_and_loads_back_without_a_warnin
 
 
 def _drift_worker(rank, world_size):
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    _short_rounds()
     online.CHECK_EVERY, online.DRIFT_CHECKS, online.RETUNE_SPACING = 3, 2, 10
     ddp = DDP(_wide_model(), bucket_cap_mb=25)
     state = ddp_triton.register(ddp, formats=["fp32", "bf16"], **ONLINE)
@@ -247,7 +263,7 @@ def _drift_worker(rank, world_size):
         opt.step()
         tuned_at.append(state.tuner.tunings)
     first = tuned_at.index(1)
-    assert first <= 1 + 2 * 3 + 1, tuned_at
+    assert first <= _decided_at(2, mixed=False), tuned_at  # one bucket: no mix
     assert tuned_at[24] == 1, tuned_at  # steady while the step is
     assert tuned_at[-1] == 2, tuned_at  # the slower step set off one re-tune, and one only
     second = tuned_at.index(2)
@@ -275,7 +291,7 @@ def _fsdp_shard(model, world_size):
 def _fsdp_worker(rank, world_size):
     import ddp_triton.fsdp
 
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 2
+    _short_rounds()
     model = _fsdp_shard(_wide_model(), world_size)
     state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online",
                                      formats=["fp32", "bf16+fp32sum", "fp8e4m3+ef"])
@@ -283,7 +299,7 @@ def _fsdp_worker(rank, world_size):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sleeps = random.Random(rank)
     tuned_at, losses = None, []
-    for step in range(1 + 4 * 3 + 2):  # three formats and, at most, their mix, three passes each
+    for step in range(_decided_at(3) + 2):  # three formats and, at most, their mix
         time.sleep(sleeps.uniform(0.0, 0.01))
         opt.zero_grad()
         x, y = make_data(step)
@@ -294,7 +310,7 @@ def _fsdp_worker(rank, world_size):
         if tuned_at is None and state.tuned_formats() is not None:
             tuned_at = step
     tuned = state.tuned_formats()
-    assert tuned is not None and tuned_at <= 1 + 4 * 3, tuned_at
+    assert tuned is not None and tuned_at <= _decided_at(3), tuned_at
     called = [i for i, c in enumerate(state.comms) if c.calls]  # the root holds no parameters of its own here
     assert sorted(tuned) == called and len(called) >= 3, (sorted(tuned), called)
     assert all(t["format"] in ("fp32", "bf16+fp32sum", "fp8e4m3+ef") for t in tuned.values())
@@ -315,13 +331,14 @@ def test_fsdp_groups_choose_their_formats_alike_on_every_rank():
 def _fsdp_residual_worker(rank, world_size):
     import ddp_triton.fsdp
 
-    online.WARM_PASSES, online.MEASURED_PASSES = 1, 1
+    online.WARM_PASSES, online.MEASURED_PASSES, online.ROUNDS = 1, 1, 3
     online.choose_within_noise = lambda samples: ("fp32", 0.0)  # the test's choice
     n = 3000
     model = _fsdp_shard(_Linear(n), world_size)
     state = ddp_triton.fsdp.register(model, comm_dtype="auto", tune="online", formats=["fp32", "fp8e4m3+ef"])
-    truth, seen = _nine_steps(model, rank, world_size, n, lambda: state.comms[0].current.wire.name)
-    assert seen[1] == "fp32" and seen[3] == "fp8e4m3+ef" and seen[-1] == "fp32", seen
+    truth, seen = _switching_steps(model, rank, world_size, n, lambda: state.comms[0].current.wire.name)
+    names = {"fp32": "fp32", "fp8": "fp8e4m3+ef"}
+    assert seen[1:13] == [names[s] for s in SWITCHING] and seen[13:] == ["fp32"] * 2, seen
     applied = -model.w.full_tensor().detach().double()
     torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)  # FP8's rounding, handed to the fp32 input
 
