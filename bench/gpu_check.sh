@@ -96,7 +96,8 @@ step ddp_gpt2 90 18 python3 -m bench.ddp_step --model gpt2 \
 
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
-step gpu_tests 110 20 python3 -m pytest -q -m gpu "${per_test[@]}" --ignore=tests/gpu/test_gpu_ranks.py tests
+# tests/gpu/test_gpu_side_stream.py among them: one NCCL worker process, 20-40 s of the limit.
+step gpu_tests 140 20 python3 -m pytest -q -m gpu "${per_test[@]}" --ignore=tests/gpu/test_gpu_ranks.py tests
 # Several ranks on the one GPU (gloo, CUDA tensors): 2 and 4 ranks flat, 2 nodes x 2 two-level, 30 tests from five
 # sets of workers (about 25 s on the 2-core CPU machine with device="cpu"; here CUDA contexts and the first kernel
 # compiles add to that: 60-100 s expected). A case gloo cannot carry on CUDA tensors in this build skips, saying why.

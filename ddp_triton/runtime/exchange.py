@@ -25,18 +25,72 @@ is gone), and the bucket's future fails as DDP can read it (``HookResult``).
 The state's other collectives (the residuals' re-slice at a new bucket layout, ``state_dict``) go through the same
 queue (``ExchangeQueue.ordered``): they are issued after every collective the pending buckets owe and before the
 next bucket's, never beside a callback's collective in an order that depends on which rank was late.
+
+Streams, for a bucket on CUDA. NCCL completes a collective's future at launch, so the queue issues every stage of a
+bucket inside the hook call, and waiting for a collective (``future.wait()``) makes the *current* stream wait for
+it: in the hook, the backward's. So the queue keeps one side stream per CUDA device (made at the state's first
+bucket there) and runs a bucket there from its first collective on: the hook's stream records an event right after
+the first computation (the pack) and the side stream waits for it; every collective is issued, and every wait for
+one and every later computation runs, on the side stream; the unpack runs in the last collective's completion
+callback, on the stream torch takes from its pool for it (ordered after the collective), where DDP's future (a CUDA
+future, ``CudaStreams.result``) completes, so DDP's wait orders its stream after the unpack. A bucket cut into chunks
+finishes on the side stream: each chunk's unpack records an event where it ran, and once all have, the side stream
+waits for them, runs the exchange's ``finish`` and completes DDP's future. The backward's stream waits for nothing
+the hook issued: its next kernels overlap the exchange. The waits of the last bucket's drain (and ``ordered``) are
+the side stream's too. Every buffer an exchange touches is held by it for the bucket's life (made at binding, as are
+the side stream and the chunks' events), so nothing allocated on one stream is freed while another still uses it.
+On CPU none of this applies (``_Run``: the current stream, no events). The CUDA calls are read through
+``streams``, one object, so that tests/unit/runtime/test_side_stream.py stands a recorder in for them without a GPU.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
-from typing import Any, Callable, Deque, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from .collective_errors import HookResult, collective_error, completed, waited
+
+
+class CudaStreams:
+    """The CUDA calls that keep a CUDA bucket's later stages off the backward's stream, read through one object
+    (``streams``) so that a test without a GPU can stand a recorder in for them (see the module docstring)."""
+
+    @staticmethod
+    def device_of(buffer: torch.Tensor) -> Optional[torch.device]:
+        """The CUDA device of a bucket's buffer; None on any other device (nothing of this applies there)."""
+        return buffer.device if buffer.is_cuda else None
+
+    @staticmethod
+    def new_stream(device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    @staticmethod
+    def new_event() -> Any:
+        return torch.cuda.Event()
+
+    @staticmethod
+    def current_stream(device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def use(stream: Any) -> Any:
+        """Make ``stream`` this thread's current one inside the ``with`` block."""
+        return torch.cuda.stream(stream)
+
+    @staticmethod
+    def result(device: torch.device) -> HookResult:
+        """DDP's future for a bucket on ``device``: a CUDA future, so that DDP's wait orders its stream after the
+        stream current when it completes."""
+        return HookResult([device])
+
+
+streams = CudaStreams()
+"""What the queue calls torch.cuda through; tests replace it."""
 
 
 class Stage(NamedTuple):
@@ -82,7 +136,7 @@ class StagedExchange:
 
 class ChunkedExchange:
     """A bucket's exchange cut into chunks (``chunks.py``), each a StagedExchange over its own slice of the bucket,
-    started in order through the queue (``ExchangeQueue.start_chunks``): each group's collectives go out chunk by
+    started in order through the queue (``ExchangeQueue.start``): each group's collectives go out chunk by
     chunk, so a stage works on chunk k+1 while a later one has chunk k. ``finish`` runs once every chunk finished
     (adding up the chunks' statistics)."""
 
@@ -110,10 +164,12 @@ class ChunkedExchange:
 
 class _Run:
     """One bucket's exchange in flight: the next stage to run, the Work of the collective issued last; ``watch``
-    (telemetry.Watch) records its phases, or None."""
+    (telemetry.Watch) records its phases, or None. Its waits and kernels run on the current stream: a bucket not on
+    CUDA (``_SideRun`` is a CUDA bucket's)."""
 
-    def __init__(self, exchange: StagedExchange, result: HookResult, watch: Any) -> None:
+    def __init__(self, exchange: StagedExchange, result: Any, watch: Any) -> None:
         self.exchange, self.result, self.watch = exchange, result, watch
+        """``result``: what the finish completes or any failure fails (``HookResult``, or a chunk's share of one)."""
         self.next = 0
         self.work: Any = None
         """The Work of the collective issued last; None until the first is issued."""
@@ -125,8 +181,18 @@ class _Run:
     def phase(self, name: str) -> Any:
         return self.watch.phase(name) if self.watch is not None else contextlib.nullcontext()
 
-    def run_next(self) -> None:
-        """Run the next stage: its computation (unless ``computed`` already) and its collective."""
+    def compute_first(self) -> None:
+        """The first stage's computation (the pack), on the hook's thread and stream, when the bucket starts."""
+        with self.phase(self.exchange.stages[0].compute_phase):
+            self.exchange.stages[0].compute()
+        self.computed = True
+
+    def step(self) -> None:
+        """Run the next stage, its collective before having finished: wait for that one (a CollectiveError naming it
+        if it failed), then the stage's computation (unless ``computed`` already) and its collective."""
+        if self.work is not None:
+            waited(self.work.get_future(), self.exchange.stages[self.next - 1].collective_phase,
+                   self.exchange.subject)
         stage = self.exchange.stages[self.next]
         if not self.computed:
             with self.phase(stage.compute_phase):
@@ -139,14 +205,111 @@ class _Run:
         self.next += 1
         self.computed = False
 
+    def wait_for(self, future: torch.futures.Future) -> None:
+        """Wait, on this thread, until ``future`` (of the collective issued last) completes."""
+        future.wait()
+
     @property
     def issued_all(self) -> bool:
         return self.next == len(self.exchange.stages)
 
-    def waited(self) -> None:
-        """Wait for the collective issued last (on CUDA, ordering this stream after it); a CollectiveError naming
-        it if it failed."""
-        waited(self.work.get_future(), self.exchange.stages[self.next - 1].collective_phase, self.exchange.subject)
+
+class _Side:
+    """A queue's side stream on one CUDA device, where its buckets' later stages wait for their collectives and run,
+    so that the backward's stream never waits for one (see the module docstring)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.stream = streams.new_stream(device)
+        self._in = streams.new_event()
+        """Recorded on the hook's stream after a bucket's first computation, waited for by the side stream at once
+        (so one event serves every bucket: each wait is enqueued before the next record)."""
+
+    def events_in(self) -> None:
+        """Order the side stream after the work the current stream has so far (the bucket's first computation)."""
+        self._in.record(streams.current_stream(self.device))
+        self.stream.wait_event(self._in)
+
+
+class _SideRun(_Run):
+    """A CUDA bucket's exchange in flight: every collective is issued, and every wait for one and every computation
+    after the first runs, on the queue's side stream, which first waits for the hook's stream up to the first
+    computation. The backward's stream waits for none of it; DDP's future (a CUDA future completed on a stream
+    ordered after the unpack) orders whoever waits on it."""
+
+    def __init__(self, exchange: StagedExchange, result: Any, watch: Any, side: _Side) -> None:
+        super().__init__(exchange, result, watch)
+        self.side = side
+
+    def compute_first(self) -> None:
+        super().compute_first()
+        self.side.events_in()
+
+    def step(self) -> None:
+        with streams.use(self.side.stream):
+            super().step()
+
+    def wait_for(self, future: torch.futures.Future) -> None:
+        with streams.use(self.side.stream):  # a CUDA future's wait also orders the current stream after it
+            future.wait()
+
+
+class _SideChunks:
+    """The chunks of a CUDA bucket's exchange finishing (``ExchangeQueue._start_chunks_on``): each chunk's unpack
+    records its event on the stream it ran on (its completion's); once every chunk finished, the side stream waits for
+    those events and runs the exchange's ``finish``, and DDP's future completes there. The chunks finish on gloo's
+    threads or inline: a lock counts them."""
+
+    def __init__(self, exchange: ChunkedExchange, result: HookResult, side: _Side, events: Sequence[Any]) -> None:
+        self.exchange, self.result, self.side, self.events = exchange, result, side, events
+        self.errors: list = [None] * len(events)
+        self.left = len(events)
+        self.lock = threading.Lock()
+
+    def chunk(self, k: int) -> "_ChunkResult":
+        return _ChunkResult(self, k)
+
+    def finished(self, k: int, error: Optional[BaseException]) -> None:
+        """Chunk ``k`` finished (``error``: it failed); the last one finishes the bucket."""
+        if error is None:
+            self.events[k].record(streams.current_stream(self.side.device))
+        else:
+            self.errors[k] = error
+        with self.lock:
+            self.left -= 1
+            if self.left:
+                return
+        failed = next((e for e in self.errors if e is not None), None)
+        if failed is not None:  # the first chunk's error, in chunk order
+            self.result.fail(failed)
+            return
+        try:
+            with streams.use(self.side.stream):
+                for event in self.events:
+                    self.side.stream.wait_event(event)
+                self.exchange.finish()
+                self.result.set(self.exchange.buffer)
+        except BaseException as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
+            self.result.fail(exc)
+
+
+class _ChunkResult:
+    """One chunk's share of a CUDA bucket's result: set or failed once, like a HookResult."""
+
+    __slots__ = ("chunks", "k", "done")
+
+    def __init__(self, chunks: _SideChunks, k: int) -> None:
+        self.chunks, self.k, self.done = chunks, k, False
+
+    def set(self, _: Any) -> None:
+        if not self.done:
+            self.done = True
+            self.chunks.finished(self.k, None)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self.chunks.finished(self.k, exc)
 
 
 class ExchangeQueue:
@@ -162,6 +325,8 @@ class ExchangeQueue:
         """The error of a bucket that failed before issuing all its collectives. Its peers issued them, so this
         rank's order no longer matches theirs: every later bucket and ``ordered`` block fails at once rather than
         pair its collectives with the wrong ones."""
+        self._sides: Dict[Any, _Side] = {}
+        """The side stream of each CUDA device this state's buckets are on, made at its first bucket's binding."""
 
     @contextlib.contextmanager
     def ordered(self) -> Iterator[None]:
@@ -176,29 +341,57 @@ class ExchangeQueue:
         finally:
             self._poke_if_wanted()
 
-    def start(self, exchange: StagedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
-        """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean. ``watch``: the
-        bucket's telemetry (profiler ranges, timing) for this pass, or None. ``last``: the backward's last bucket,
-        after which every pending stage is issued here."""
-        result = HookResult([exchange.buffer.device] if exchange.buffer.is_cuda else None)
-        run = _Run(exchange, result, watch)
+    def starter(self, exchange: Union[StagedExchange, ChunkedExchange]) -> Callable[..., torch.futures.Future]:
+        """How ``exchange`` starts at every step, decided once (a plan keeps it): ``start``'s work for its kind and
+        device, called as ``start(exchange, last, watch=None)``. A bucket on CUDA runs its later stages on this
+        queue's side stream for its device, made here at its first bucket (binding runs inside ``ordered``: no
+        lock taken)."""
+        device = streams.device_of(exchange.buffer)
+        chunked = isinstance(exchange, ChunkedExchange)
+        if device is None:
+            return self._start_chunks if chunked else self._start
+        side = self._sides.get(device) or self._sides.setdefault(device, _Side(device))
+        if chunked:
+            return functools.partial(self._start_chunks_on, side, [streams.new_event() for _ in exchange.chunks])
+        return functools.partial(self._start_on, side)
+
+    def start(self, exchange: Union[StagedExchange, ChunkedExchange], last: bool,
+              watch: Any = None) -> torch.futures.Future:
+        """Start ``exchange``'s bucket; the future completes once DDP's bucket holds the mean, or fails with the
+        first error (a chunked exchange's: the first failed chunk's). ``watch``: the bucket's telemetry (profiler
+        ranges, timing) for this pass, or None. ``last``: the backward's last bucket, after which every pending
+        stage is issued here (a chunked one's: its last chunk). A plan calls ``starter``'s choice instead."""
+        return self.starter(exchange)(exchange, last, watch)
+
+    def _start(self, exchange: StagedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+        """``start`` for a bucket not on CUDA."""
+        result = HookResult()
+        return self._begin(_Run(exchange, result, watch), last, result)
+
+    def _start_on(self, side: _Side, exchange: StagedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+        """``start`` for a bucket on ``side``'s device."""
+        result = streams.result(side.device)
+        return self._begin(_SideRun(exchange, result, watch, side), last, result)
+
+    def _begin(self, run: _Run, last: bool, result: HookResult) -> torch.futures.Future:
+        """Run ``run``'s first computation, then queue it (its first collective goes out at once unless an earlier
+        bucket owes one on its group)."""
+        exchange = run.exchange
         try:
             # The first computation (the pack) touches this bucket's buffers only: outside the lock, so that
             # completions meanwhile issue what they unblock.
-            with run.phase(exchange.stages[0].compute_phase):
-                exchange.stages[0].compute()
+            run.compute_first()
         except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
             with self._lock:
                 self._break(exc)
-            result.fail(exc)
+            run.result.fail(exc)
             return result.future
-        run.computed = True
         try:
             with self._lock:
                 try:
                     self._check_intact(exchange.subject)
                 except Exception as exc:  # noqa: BLE001 - the failure reaches DDP through the bucket's future
-                    result.fail(exc)
+                    run.result.fail(exc)
                     return result.future
                 # Its first collective goes out now, or, where an earlier bucket still owes one on its group, once
                 # that one is issued: by a completion, without holding the backward here.
@@ -212,26 +405,34 @@ class ExchangeQueue:
             self._poke_if_wanted()
         return result.future
 
-    def start_chunks(self, exchange: ChunkedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
-        """Start every chunk of ``exchange`` in order (``start``; ``last`` applies to the last chunk); the future
-        completes once every chunk finished and ``exchange.finish`` ran, or fails with the first chunk's error."""
-        result = HookResult([exchange.buffer.device] if exchange.buffer.is_cuda else None)
+    def _start_chunks(self, exchange: ChunkedExchange, last: bool, watch: Any = None) -> torch.futures.Future:
+        """``start`` for a bucket cut into chunks, not on CUDA: every chunk in order (``last`` applies to the last
+        chunk); ``exchange.finish`` runs once every chunk finished."""
+        result = HookResult()
         count = len(exchange.chunks)
-        futures = [self.start(chunk, last and k == count - 1, watch) for k, chunk in enumerate(exchange.chunks)]
+        futures = [self._start(chunk, last and k == count - 1, watch) for k, chunk in enumerate(exchange.chunks)]
 
         def finish(_: torch.futures.Future) -> None:
             try:
                 for future in futures:
-                    # wait(), not value(): on CUDA it also orders this stream after each chunk's writes (each chunk
-                    # finished on a stream of its own), so the bucket is whole before DDP reads it; raises the
-                    # first failed chunk's error
-                    future.wait()
+                    future.wait()  # raises the first failed chunk's error
                 exchange.finish()
                 result.set(exchange.buffer)
             except BaseException as exc:  # noqa: BLE001
                 result.fail(exc)
 
         torch.futures.collect_all(futures).then(finish)
+        return result.future
+
+    def _start_chunks_on(self, side: _Side, events: Sequence[Any], exchange: ChunkedExchange, last: bool,
+                         watch: Any = None) -> torch.futures.Future:
+        """``start`` for a bucket cut into chunks on ``side``'s device (``events``: one per chunk, kept by the plan):
+        every chunk in order on the side stream, finished there once every chunk's unpack ran (``_SideChunks``)."""
+        result = streams.result(side.device)
+        chunks = _SideChunks(exchange, result, side, events)
+        count = len(exchange.chunks)
+        for k, chunk in enumerate(exchange.chunks):
+            self._begin(_SideRun(chunk, chunks.chunk(k), watch, side), last and k == count - 1, result)
         return result.future
 
     # ---- progress ------------------------------------------------------------------------------------------------
@@ -245,10 +446,11 @@ class ExchangeQueue:
             self._advance()
             if not self._runs:
                 return
-            future = self._runs[0].work.get_future()
+            earliest = self._runs[0]
+            future = earliest.work.get_future()
             self._lock.release()
             try:
-                future.wait()
+                earliest.wait_for(future)  # a CUDA bucket's on its side stream: the backward's never waits
             except Exception:  # noqa: BLE001 - the next _advance fails the bucket with this error
                 pass
             finally:
@@ -275,9 +477,7 @@ class ExchangeQueue:
         """Run ``run``'s next stage, its collective before having finished; False, with every pending bucket
         failed, on an error."""
         try:
-            if run.work is not None:
-                run.waited()
-            run.run_next()
+            run.step()
         except Exception as exc:  # noqa: BLE001 - every failure must reach DDP through the bucket's future
             run.result.fail(exc)
             self._break(exc)
@@ -304,6 +504,9 @@ class ExchangeQueue:
             raise self._broken_error(subject)
 
     def _finish_when_done(self, run: _Run) -> None:
+        """Unpack and complete ``run``'s result on its last collective's completion: on CUDA, torch runs the callback
+        on a stream from its pool that waited for the collective, so the unpack runs there, and a CUDA result
+        completes there (DDP's wait orders its stream after it)."""
         exchange, result = run.exchange, run.result
         unpack = run.watch.unpack(exchange.finish) if run.watch is not None else exchange.finish
         collective = exchange.stages[-1].collective_phase

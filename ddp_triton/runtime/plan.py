@@ -62,12 +62,11 @@ class Plan:
     record: BucketRecord
     """Telemetry: what each pass hands to the collectives, the passes, timings (``telemetry.py``)."""
     start: Callable[..., torch.futures.Future] = field(init=False, repr=False)
-    """How the queue starts the exchange: ``queue.start``, or ``queue.start_chunks`` for one cut into chunks."""
+    """How the queue starts the exchange (``ExchangeQueue.starter``: for its kind and device, chosen once)."""
 
     def __post_init__(self) -> None:
         if self.queue is not None:
-            chunked = isinstance(self.exchange, ChunkedExchange)
-            object.__setattr__(self, "start", self.queue.start_chunks if chunked else self.queue.start)
+            object.__setattr__(self, "start", self.queue.starter(self.exchange))
 
     @property
     def valid(self) -> bool:
