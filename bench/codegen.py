@@ -32,9 +32,10 @@ Triton's binaries are found as Triton finds them: ptxas through Triton's backend
 newer "ptxas-blackwell"), nvdisasm and cuobjdump as ``TRITON_<NAME>_PATH``, then the wheel's
 ``triton/backends/nvidia/bin``, then ``PATH``. A missing tool leaves its columns empty.
 
-``--wire``: the launches the FP8 and float32-sum exchanges make (``ddp_triton.runtime.exchange``), with the
+``--wire``: the launches the FP8, E2M1 and float32-sum exchanges make (``ddp_triton.runtime.exchange``), with the
 arguments their launchers pass, for a 25 MiB float32 bucket at 8 ranks: quantize (with error feedback), the
-rank-order reduce, the dequantizing unpack (with stats), FSDP's sum of blocks, and the sum of bfloat16 slices. Per
+rank-order reduce, the dequantizing unpack (with stats), FSDP's sum of blocks (each in FP8 E4M3 and in E2M1), and
+the sum of bfloat16 slices. Per
 kernel: registers, spills, global access widths and the count of fused multiply-adds, which must be zero where the
 launcher turns contraction off (``enable_fp_fusion=False``, ``WIRE_NO_FUSION``): the residuals are only the same
 bits as the torch path's without them.
@@ -67,7 +68,7 @@ import triton  # noqa: E402
 from bench.common import format_table, json_text  # noqa: E402
 from bench.kernels import gpt2_small_shapes  # noqa: E402
 from bench.listing import Listing, access_fields, full_block_path, parse_ptx, parse_sass, widths  # noqa: E402
-from ddp_triton.kernels import INTERPRETER, blockscale, slices, triton_version  # noqa: E402
+from ddp_triton.kernels import INTERPRETER, blockscale, fp4, slices, triton_version  # noqa: E402
 from ddp_triton.kernels.blocks import block_layout  # noqa: E402
 from ddp_triton.kernels.dtypes import BITS_DTYPE, OUT_KIND  # noqa: E402
 from ddp_triton.kernels.fp8 import BLOCK_ELEMENTS, E4M3, ROW_BYTES, ROW_WORDS  # noqa: E402
@@ -376,7 +377,8 @@ def format_reports(rows: Sequence[Dict[str, Any]]) -> str:
 
 #: The wire-format launches that must compile without contraction (their launchers pass enable_fp_fusion=False).
 WIRE_NO_FUSION = {"quantize fp32->e4m3 +ef", "reduce e4m3 x8 +ef", "dequantize e4m3->bf16 +stats",
-                  "sum blocks e4m3 x8 -> fp32"}
+                  "sum blocks e4m3 x8 -> fp32", "quantize fp32->e2m1 +ef", "reduce e2m1 x8 +ef",
+                  "dequantize e2m1->bf16 +stats", "sum blocks e2m1 x8 -> fp32"}
 
 
 def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
@@ -390,6 +392,9 @@ def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
     rows_constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS)
     no_fusion = dict(enable_fp_fusion=False)
     bf16 = torch.empty(n, dtype=torch.bfloat16)
+    words4 = torch.empty(layout.n_rows * fp4.ROW_WORDS, dtype=torch.int32)  # E2M1 rows, as the launcher views them
+    shard4 = words4[: layout.rows_per_shard * fp4.ROW_WORDS]
+    fp4_constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS)
     return [
         ("quantize fp32->e4m3 +ef", blockscale._quantize_blocks_kernel,
          (bucket, layout.table, residual, rows, rows.view(torch.int32), 1.0 / WORLD),
@@ -408,6 +413,19 @@ def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
          (rows, rows.view(torch.int32), layout.table, bucket[: layout.rows_per_shard * BLOCK_ELEMENTS], WORLD,
           shard.numel(), shard.numel() // 4),
          dict(**rows_constexprs, **fmt), blockscale._NUM_WARPS, no_fusion),
+        # The same four passes in block-scaled E2M1 (kernels/fp4.py)
+        ("quantize fp32->e2m1 +ef", fp4._quantize_blocks_kernel,
+         (bucket, layout.table, residual, words4, 1.0 / WORLD),
+         dict(**fp4_constexprs, APPLY_SCALE=True, SRC_BF16=False, RESIDUAL=True), blockscale._NUM_WARPS, no_fusion),
+        ("reduce e2m1 x8 +ef", fp4._reduce_blocks_kernel,
+         (words4, residual[: layout.rows_per_shard * BLOCK_ELEMENTS], shard4, WORLD, shard4.numel()),
+         dict(**fp4_constexprs, RESIDUAL=True), blockscale._NUM_WARPS, no_fusion),
+        ("dequantize e2m1->bf16 +stats", fp4._dequantize_blocks_kernel,
+         (words4, layout.table, bf16.view(torch.int16), torch.empty(layout.n_blocks, 2)),
+         dict(**fp4_constexprs, OUT_KIND=0, STATS=True, HW_CONVERT=True), blockscale._NUM_WARPS, no_fusion),
+        ("sum blocks e2m1 x8 -> fp32", fp4._sum_blocks_kernel,
+         (words4, layout.table, bucket[: layout.rows_per_shard * BLOCK_ELEMENTS], WORLD, shard4.numel()),
+         dict(**fp4_constexprs), blockscale._NUM_WARPS, no_fusion),
         ("sum slices bf16 x8", slices._sum_slices_kernel,
          (bf16.view(torch.int16), bf16[: n // WORLD].view(torch.int16), WORLD, n // WORLD),
          dict(BLOCK=slices._BLOCK, SRC_BF16=True, OUT_KIND=0, HW_CONVERT=True), slices._NUM_WARPS, {}),

@@ -2,8 +2,9 @@
 
 They know nothing of torch.distributed: they flatten, scale and cast gradient buckets (``pack``) and go back
 (``unpack``), one pass each way, bit-exact on GPU, in Triton's interpreter and on the plain-torch CPU path. The
-wire formats add block-scaled FP8 (``quantize_blocks``, ``reduce_blocks``, ``dequantize_blocks``, and
-``sum_blocks`` for a sum kept in float32) and a float32 sum of the ranks' slices (``sum_slices``).
+wire formats add block-scaled FP8 and, with ``fmt=FP4_E2M1``, block-scaled 4-bit E2M1 (``quantize_blocks``,
+``reduce_blocks``, ``dequantize_blocks``, and ``sum_blocks`` for a sum kept in float32; ``row_bytes(fmt)`` the size of
+a block's row) and a float32 sum of the ranks' slices (``sum_slices``).
 
 Each operation is one callable with two forms: ``pack(tensors, out, scale)``, a plain call checked in full (for
 one-off use; ``pack`` and ``unpack`` check a layout once and keep it, ``plain_calls.py``), and ``pack.prepare(tensors, out, scale)``, a :class:`PreparedCall` checked and compiled once
@@ -17,11 +18,13 @@ from ._triton import INTERPRETER
 from ._triton import version_tuple as triton_version
 from .dtypes import SUPPORTED_DTYPES
 from .blocks import BlockLayout, block_layout
-from .blockscale import dequantize_blocks, quantize_blocks, reduce_blocks, sum_blocks
+from .blockscale import dequantize_blocks, quantize_blocks, reduce_blocks, row_bytes, sum_blocks
+from .fp4 import E2M1 as FP4_E2M1
 from .pack import pack, unpack, uses_triton
 from .prepared import PreparedCall
 from .slices import sum_slices
 
 __all__ = ["pack", "unpack", "quantize_blocks", "reduce_blocks", "dequantize_blocks", "sum_blocks", "sum_slices",
+           "row_bytes", "FP4_E2M1",
            "PreparedCall", "BlockLayout", "block_layout", "SUPPORTED_DTYPES", "INTERPRETER", "triton_version",
            "uses_triton"]

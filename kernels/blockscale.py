@@ -1,4 +1,4 @@
-"""Block-scaled FP8 kernels for a sharded exchange, and their typed launchers.
+"""Block-scaled FP8 and E2M1 (4-bit) kernels for a sharded exchange, and their typed launchers.
 
 Three passes, one launch each, around an all-to-all and an all-gather (``ddp_triton.runtime.exchange``):
 
@@ -16,17 +16,21 @@ order, written where the layout puts each block.
 Each is one callable: the plain call, checked in full every time, and ``.prepare(...)``, checked and compiled once
 and run on the tensors each call passes (``prepared.py``), for the exchanges that run it every step.
 
-Rows are ``fp8.ROW_BYTES`` bytes: 128 codes and a float32 scale (``fp8.py``). Products and sums are compiled without
+``fmt`` picks the wire format: ``torch.float8_e4m3fn`` (the default) or ``torch.float8_e5m2``, whose rows are
+``fp8.ROW_BYTES`` bytes, 128 codes and a float32 scale (``fp8.py``); or ``fp4.E2M1`` (``kernels.FP4_E2M1``), whose
+rows are ``fp4.ROW_BYTES`` bytes, 128 E2M1 codes two to a byte and a power-of-two scale byte per 32 elements
+(``fp4.py``, its kernels there). ``row_bytes(fmt)`` gives a row's size. Every pass takes the same arguments in
+either format. Products and sums are compiled without
 FMA contraction (``enable_fp_fusion=False``): a fused multiply-add rounds once where torch rounds twice, and the
 residuals must be the same bits on every path.
 """
 
 # No ``from __future__ import annotations``: Triton 3.0's interpreter needs tl.constexpr annotations as objects.
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from . import _triton, cpu_fp8
+from . import _triton, cpu_fp4, cpu_fp8, fp4
 from .blocks import BlockLayout
 from .convert import _convert, _load_fp32, _write_stats
 from .dtypes import BITS_DTYPE, OUT_KIND
@@ -139,10 +143,23 @@ else:  # pragma: no cover - exercised only where Triton is missing
 _NO_FUSION = (("enable_fp_fusion", False),)
 
 
-def _format(fmt: torch.dtype) -> Fp8Format:
-    if fmt not in FORMATS:
-        raise ValueError(f"fp8 format must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
-    return FORMATS[fmt]
+#: What ``_format`` gives for block-scaled E2M1 (its constants are ``fp4``'s).
+_FP4 = "fp4"
+
+
+def _format(fmt: Any) -> Any:
+    """The Fp8Format of an FP8 ``fmt``, or ``_FP4``."""
+    if isinstance(fmt, torch.dtype) and fmt in FORMATS:
+        return FORMATS[fmt]
+    if fmt == fp4.E2M1:
+        return _FP4
+    raise ValueError(f"the wire format (fmt) must be an fp8 format, torch.float8_e4m3fn or torch.float8_e5m2, or "
+                     f"block-scaled E2M1, kernels.FP4_E2M1 ({fp4.E2M1}); got {fmt!r}")
+
+
+def row_bytes(fmt: Any = torch.float8_e4m3fn) -> int:
+    """Bytes of one 128-element block's row in the wire format ``fmt``: 132 for FP8, 68 for E2M1."""
+    return fp4.ROW_BYTES if _format(fmt) is _FP4 else ROW_BYTES
 
 
 def _check_layout(layout: BlockLayout) -> None:
@@ -150,8 +167,8 @@ def _check_layout(layout: BlockLayout) -> None:
         raise TypeError(f"layout must be a BlockLayout (kernels.block_layout), got {type(layout).__name__}")
 
 
-def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device) -> None:
-    check_vector(rows, name, numel=n_rows * ROW_BYTES, dtypes=(torch.uint8,), device=device)
+def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device, row_size: int = ROW_BYTES) -> None:
+    check_vector(rows, name, numel=n_rows * row_size, dtypes=(torch.uint8,), device=device)
     if rows.storage_offset() % 4:
         raise ValueError(f"{name} must be 4-byte aligned (its rows are read and written as 32-bit words)")
 
@@ -169,12 +186,21 @@ def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> Ker
     if checked:
         _check_layout(layout)
         check_vector(src, "src", numel=layout.n_elements)
-        _check_rows(rows, layout.n_rows, "rows", src.device)
+        _check_rows(rows, layout.n_rows, "rows", src.device, row_bytes(fmt))
         _check_residual(residual, src.numel(), src.device)
         scale = check_scale(scale)
+    src_bf16 = src.dtype == torch.bfloat16
+    if spec is _FP4:
+        if not uses_triton(src.device):
+            return KernelCall(torch_path=cpu_fp4.quantize_pass(src, layout, rows, scale, residual))
+        args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
+                residual if residual is not None else rows, rows.view(torch.int32), scale)
+        constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS,
+                          APPLY_SCALE=scale != 1.0, SRC_BF16=src_bf16, RESIDUAL=residual is not None)
+        return KernelCall(launch=(Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION), fp4._quantize_blocks_kernel, args,
+                                  constexprs))
     if not uses_triton(src.device):
         return KernelCall(torch_path=cpu_fp8.quantize_pass(src, layout, rows, scale, spec, residual))
-    src_bf16 = src.dtype == torch.bfloat16
     args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
             residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
@@ -189,13 +215,22 @@ def _reduce_call(received, n_ranks, out, fmt, residual, checked=True) -> KernelC
     if checked:
         check_count(n_ranks, "n_ranks")
         check_vector(out, "out", dtypes=(torch.uint8,))
-        if out.numel() % ROW_BYTES:
-            raise ValueError(f"out has {out.numel()} bytes, not whole {ROW_BYTES}-byte rows")
-    rows_per_rank = out.numel() // ROW_BYTES
+        if out.numel() % row_bytes(fmt):
+            raise ValueError(f"out has {out.numel()} bytes, not whole {row_bytes(fmt)}-byte rows")
+    rows_per_rank = out.numel() // row_bytes(fmt)
     if checked:
-        _check_rows(out, rows_per_rank, "out", out.device)
-        _check_rows(received, n_ranks * rows_per_rank, "received", out.device)
+        _check_rows(out, rows_per_rank, "out", out.device, row_bytes(fmt))
+        _check_rows(received, n_ranks * rows_per_rank, "received", out.device, row_bytes(fmt))
         _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
+    if spec is _FP4:
+        if not uses_triton(out.device):
+            return KernelCall(torch_path=cpu_fp4.reduce_pass(received, n_ranks, out, residual))
+        args = (received.view(torch.int32), residual if residual is not None else out, out.view(torch.int32),
+                n_ranks, rows_per_rank * fp4.ROW_WORDS)
+        constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS,
+                          RESIDUAL=residual is not None)
+        return KernelCall(launch=(Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION), fp4._reduce_blocks_kernel, args,
+                                  constexprs))
     if not uses_triton(out.device):
         return KernelCall(torch_path=cpu_fp8.reduce_pass(received, n_ranks, out, spec, residual))
     args = (received, received.view(torch.int32), residual if residual is not None else out, out,
@@ -211,19 +246,26 @@ def _dequantize_call(rows, layout, dst, fmt, stats, canonical_nan=True, checked=
     if checked:
         _check_layout(layout)
         check_vector(dst, "dst", numel=layout.n_elements)
-        _check_rows(rows, layout.n_rows, "rows", dst.device)
+        _check_rows(rows, layout.n_rows, "rows", dst.device, row_bytes(fmt))
         check_stats(stats, dst.device)
     if not uses_triton(dst.device):
+        if spec is _FP4:
+            return KernelCall(torch_path=cpu_fp4.dequantize_pass(rows, layout, dst, stats, canonical_nan))
         return KernelCall(torch_path=cpu_fp8.dequantize_pass(rows, layout, dst, spec, stats, canonical_nan))
     # With stats, each block's partial sums go to a buffer of this call's own, summed behind the kernel.
     partials = torch.empty((layout.n_blocks, 2), dtype=torch.float32, device=dst.device) if stats is not None \
         else rows
+    after = (lambda: torch.sum(partials, dim=0, out=stats)) if stats is not None else None
+    grid = Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION)
+    if spec is _FP4:
+        args = (rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials)
+        constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS,
+                          OUT_KIND=OUT_KIND[dst.dtype], STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER)
+        return KernelCall(launch=(grid, fp4._dequantize_blocks_kernel, args, constexprs), after=after)
     args = (rows, rows.view(torch.int32), layout.table_on(dst.device), dst.view(BITS_DTYPE[dst.dtype]), partials)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, OUT_KIND=OUT_KIND[dst.dtype],
                       STATS=stats is not None, HW_CONVERT=not _triton.INTERPRETER, MANTISSA=spec.mantissa_bits,
                       BIAS=spec.bias)
-    after = (lambda: torch.sum(partials, dim=0, out=stats)) if stats is not None else None
-    grid = Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION)
     return KernelCall(launch=(grid, _dequantize_blocks_kernel, args, constexprs), after=after)
 
 
@@ -233,7 +275,14 @@ def _sum_blocks_call(received, n_ranks, layout, out, fmt, checked=True) -> Kerne
         _check_layout(layout)
         check_count(n_ranks, "n_ranks")
         check_vector(out, "out", numel=layout.n_elements, dtypes=(torch.float32,))
-        _check_rows(received, n_ranks * layout.n_rows, "received", out.device)
+        _check_rows(received, n_ranks * layout.n_rows, "received", out.device, row_bytes(fmt))
+    if spec is _FP4:
+        if not uses_triton(out.device):
+            return KernelCall(torch_path=cpu_fp4.sum_blocks_pass(received, n_ranks, layout, out))
+        args = (received.view(torch.int32), layout.table_on(out.device), out, n_ranks, layout.n_rows * fp4.ROW_WORDS)
+        constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS)
+        return KernelCall(launch=(Grid(layout.n_blocks, _NUM_WARPS, _NO_FUSION), fp4._sum_blocks_kernel, args,
+                                  constexprs))
     if not uses_triton(out.device):
         return KernelCall(torch_path=cpu_fp8.sum_blocks_pass(received, n_ranks, layout, out, spec))
     args = (received, received.view(torch.int32), layout.table_on(out.device), out, n_ranks,
@@ -248,7 +297,7 @@ def _sum_blocks_call(received, n_ranks, layout, out, fmt, checked=True) -> Kerne
 
 
 def _prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
-                             fmt: torch.dtype = torch.float8_e4m3fn,
+                             fmt: Any = torch.float8_e4m3fn,
                              residual: Optional[torch.Tensor] = None) -> PreparedCall:
     """:func:`quantize_blocks` checked once for tensors like these; the returned call runs it on the tensors each
     call passes, ``call(src, rows, residual)`` (:class:`~.prepared.PreparedCall`; residual None where the example
@@ -260,17 +309,17 @@ def _prepare_quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch
 
 @with_prepare(_prepare_quantize_blocks)
 def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float = 1.0, *,
-                    fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+                    fmt: Any = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
 
     ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
-    ``layout.n_rows * ROW_BYTES`` bytes; ``residual`` float32 of src's length, updated in place.
+    ``layout.n_rows * row_bytes(fmt)`` bytes; ``residual`` float32 of src's length, updated in place.
     """
     run_call(_quantize_call(src, layout, rows, scale, fmt, residual))
 
 
 def _prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                           fmt: torch.dtype = torch.float8_e4m3fn,
+                           fmt: Any = torch.float8_e4m3fn,
                            residual: Optional[torch.Tensor] = None) -> PreparedCall:
     """:func:`reduce_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(received, out, residual)``."""
     return PreparedCall(lambda rec, o, res, checked: _reduce_call(rec, n_ranks, o, fmt, res, checked),
@@ -279,14 +328,14 @@ def _prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tens
 
 @with_prepare(_prepare_reduce_blocks)
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
-                  fmt: torch.dtype = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
+                  fmt: Any = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
     many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
     run_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 
 def _prepare_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                               fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
+                               fmt: Any = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None,
                                canonical_nan: bool = True) -> PreparedCall:
     """:func:`dequantize_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(rows, dst, stats)``;
     ``canonical_nan`` as for ``kernels.pack.prepare``."""
@@ -296,14 +345,14 @@ def _prepare_dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: tor
 
 @with_prepare(_prepare_dequantize_blocks)
 def dequantize_blocks(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, *,
-                      fmt: torch.dtype = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
+                      fmt: Any = torch.float8_e4m3fn, stats: Optional[torch.Tensor] = None) -> None:
     """``dst`` (the flat bucket, float32/bfloat16/float16) <- the rows' values, rounded once; with ``stats`` (float32
     (2,)) also the sum of squares and the non-finite count of what was stored, as :func:`kernels.unpack` gives."""
     run_call(_dequantize_call(rows, layout, dst, fmt, stats))
 
 
 def _prepare_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
-                        fmt: torch.dtype = torch.float8_e4m3fn) -> PreparedCall:
+                        fmt: Any = torch.float8_e4m3fn) -> PreparedCall:
     """:func:`sum_blocks` prepared as ``quantize_blocks.prepare`` is: ``call(received, out)``."""
     return PreparedCall(lambda rec, o, checked: _sum_blocks_call(rec, n_ranks, layout, o, fmt, checked),
                         ("received", "out"), (received, out))
@@ -311,7 +360,7 @@ def _prepare_sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayou
 
 @with_prepare(_prepare_sum_blocks)
 def sum_blocks(received: torch.Tensor, n_ranks: int, layout: BlockLayout, out: torch.Tensor, *,
-               fmt: torch.dtype = torch.float8_e4m3fn) -> None:
+               fmt: Any = torch.float8_e4m3fn) -> None:
     """``out`` (float32, ``layout.n_elements``) <- the values of the ``n_ranks`` row slices of ``received`` (each
     ``layout.n_rows`` rows, one per rank, 4-byte aligned; not overlapping ``out``), summed in float32 in rank order
     from the first rank's, each block written where ``layout`` puts it: a reduce-scatter's sum kept in float32, in

@@ -3,9 +3,13 @@
 Block-scaled FP8: each tensor cut into blocks of 128 elements (its last one short); a block's scale is the smallest
 power of two 2^e (e >= -126) with absmax / 2^e <= the format's largest finite value, found by a search in float64;
 the codes are ``tensor.to(torch.float8_*)`` of value / 2^e. Sums are float32, in rank order.
+
+Block-scaled E2M1 (4-bit): the same blocks, a power-of-two scale per group of 32 found by a search, each value the
+nearest E2M1 magnitude by distance in float64 (``fp4_block``).
 """
 
-from typing import List, Sequence
+import math
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -138,3 +142,57 @@ def two_level_average(per_rank: Sequence[torch.Tensor], sizes: Sequence[int], lo
         for p, value in zip(pieces, averaged):
             out[p] = value
     return out
+
+
+# ---- block-scaled E2M1 (4-bit), from its definition ------------------------------------------------------------------
+
+#: E2M1's magnitudes by code 0-7; codes 8-15 are their negatives (sign bit 8).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_GROUP = 32
+
+
+def e2m1_code(q: float) -> int:
+    """The E2M1 code of a float64 ``q`` with |q| <= 6: the nearest magnitude, a tie to the even code; the sign bit
+    is the value's own (-0.0 is code 8)."""
+    distances = [abs(abs(q) - m) for m in E2M1_VALUES]
+    best = min(distances)
+    candidates = [code for code, d in enumerate(distances) if d == best]
+    code = candidates[0] if len(candidates) == 1 else next(c for c in candidates if c % 2 == 0)
+    return code | (8 if math.copysign(1.0, q) < 0 else 0)
+
+
+def fp4_block(values: Sequence[float]) -> Tuple[List[int], List[int], List[float]]:
+    """(codes, scale bytes, dequantized as float64) of one block of up to 128 float32 values, zero past its end:
+    per group of 32, the smallest 2^e (e in [-126, 126]) with absmax / 2^e <= 6, found by a search in float64, sent
+    as the byte e + 127; a block with a non-finite value is sent as codes 0 and every scale byte 0xFF (NaN)."""
+    block = [float(v) for v in values] + [0.0] * (BLOCK - len(values))
+    if not all(math.isfinite(v) for v in block):
+        return [0] * BLOCK, [0xFF] * (BLOCK // FP4_GROUP), [math.nan] * BLOCK
+    codes, scales, dequantized = [], [], []
+    for g in range(0, BLOCK, FP4_GROUP):
+        group = block[g:g + FP4_GROUP]
+        absmax = max(abs(v) for v in group)
+        e = -126
+        while absmax / 2.0**e > 6.0 and e < 126:
+            e += 1
+        scales.append(e + 127)
+        for v in group:
+            code = e2m1_code(v / 2.0**e)
+            codes.append(code)
+            dequantized.append(math.copysign(E2M1_VALUES[code & 7], -1.0 if code & 8 else 1.0) * 2.0**e)
+    return codes, scales, dequantized
+
+
+def fp4_rows(values: torch.Tensor, sizes: Sequence[int]) -> Tuple[List[bytes], List[float]]:
+    """Each block's row as bytes (codes two to a byte, element 2i in the low nibble, then the scale bytes) and the
+    dequantized values of the tensors (float64, inf where 6 * 2^126 overflows float32), blocks cut per tensor."""
+    rows, dequantized, start = [], [], 0
+    flat = values.reshape(-1).tolist()
+    for n in sizes:
+        for offset in range(0, n, BLOCK):
+            part = flat[start + offset:start + min(n, offset + BLOCK)]
+            codes, scales, deq = fp4_block(part)
+            rows.append(bytes(codes[i] | (codes[i + 1] << 4) for i in range(0, BLOCK, 2)) + bytes(scales))
+            dequantized += [float(torch.tensor(d, dtype=torch.float64).float()) for d in deq[:len(part)]]
+        start += n
+    return rows, dequantized

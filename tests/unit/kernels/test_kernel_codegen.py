@@ -120,6 +120,9 @@ def test_no_spills_and_registers_within_bounds(reports):
 # headroom over what Triton 3.0-3.9 compiled them to (30-39, python -m bench.codegen --wire). With one warp per CTA
 # the CTA limit per SM (32 on sm_90), not registers, bounds their occupancy (RESULTS.md says what is unmeasured).
 WIRE_REGISTER_CEILING = 40
+# E2M1's quantize and reduce pack the 4-bit codes eight to a word: LLVM narrows the codes to 4-bit integers and moves
+# a vector of them through 2 bytes of local memory (ptxas reports 8 bytes of stack; no spill). Triton 3.8, sm_90.
+WIRE_STACK_CEILING = {"quantize fp32->e2m1 +ef": 8, "reduce e2m1 x8 +ef": 8}
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +138,10 @@ def test_wire_kernels_compile_without_spills_or_contraction(wire_reports):
     from bench.codegen import WIRE_NO_FUSION
 
     assert {r["name"] for r in wire_reports} >= WIRE_NO_FUSION | {"sum slices bf16 x8", "sum slices bf16 x8 -> fp32",
-                                                              "sum blocks e4m3 x8 -> fp32"}
+                                                              "sum blocks e4m3 x8 -> fp32"} | set(WIRE_STACK_CEILING)
     for r in wire_reports:  # None: ptxas gave no report, which is a failure here, not a pass
-        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] is not None, r
+        assert r["stack_bytes"] <= WIRE_STACK_CEILING.get(r["name"], 0), r
         assert r["registers"] is not None and r["registers"] <= WIRE_REGISTER_CEILING, r
         if r["name"] in WIRE_NO_FUSION:
             # A fused multiply-add rounds once where the torch path rounds twice: the residuals would differ.
