@@ -1,10 +1,12 @@
 """The block-scaled E2M1 passes on CPU tensors, in torch ops with the Triton kernels' bits (``fp4.py``).
 
 CPU tensors take these passes unless ``TRITON_INTERPRET=1``; the tests check both give identical bits. Every float32
-operation is the kernel's, in its order: scale, add the residual, choose each group's power-of-two scale, round by
-comparing with the midpoints, and sum the ranks' blocks in rank order. Whole rows at a time, no per-element Python:
-the rounding is one ``torch.bucketize`` over the midpoints (a value at a midpoint that rounds up to an even code is
-compared with the float32 just below it), the decoding a lookup in the 16 values. Each operation is one function with
+operation is the kernel's, in its order: scale, add the residual, choose each group's power-of-two scale, round to
+nearest-even, and sum the ranks' blocks in rank order. Whole rows at a time, no per-element Python. The rounding
+gives the kernel's codes (which compare with the midpoints) in fewer torch ops: below 1, ``round(2|v|)`` (ties to
+even: 0.25 -> 0, 0.75 -> code 2, 1.0); from 1 on, the float32 bits rounded to one mantissa bit as FP8's encoding does
+(a tie carries to the even code). The decoding is a lookup in the 16 values (``index_select``: torch's ``table[codes]``
+is ten times slower on CPUs). Each operation is one function with
 ``cpu_fp8``'s arguments, less the FP8 format, giving the pass over the tensors it is given as a call.
 """
 
@@ -15,7 +17,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .blocks import BlockLayout
-from .fp4 import CODE_BYTES, GROUP_ELEMENTS, GROUPS, MIDPOINTS, NAN_SCALE, ROW_BYTES, VALUES
+from .fp4 import CODE_BYTES, GROUP_ELEMENTS, GROUPS, NAN_SCALE, ROW_BYTES, VALUES
 from .fp8 import BLOCK_ELEMENTS, MAX_EXPONENT, MIN_EXPONENT
 from .torch_path import _converter
 from .torch_wire import finish_stats
@@ -23,15 +25,22 @@ from .torch_wire import finish_stats
 _CANONICAL_NAN = 0x7FC00000
 
 
-def _boundaries() -> torch.Tensor:
-    """The midpoints as ``bucketize`` boundaries: a code is the number of boundaries strictly below |v|."""
-    return torch.tensor([torch.nextafter(torch.tensor(m), torch.tensor(0.0)).item() if up else m
-                         for m, up in MIDPOINTS], dtype=torch.float32)
-
-
-_BOUNDARIES = _boundaries()
 #: The value of each code 0-15 (8-15: the negatives, code 8 is -0.0).
 _TABLE = torch.tensor(list(VALUES) + [-v for v in VALUES], dtype=torch.float32)
+
+
+def _encode(scaled: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (int64) of float32 values with |v| <= 6 (NaN and inf: any code; the caller replaces them)."""
+    bits = scaled.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    normal = ((magnitude + 0x1FFFFF + ((magnitude >> 22) & 1)) >> 22) - (126 << 1)
+    below_one = torch.round(scaled.abs() * 2.0).to(torch.int32)
+    return torch.where(magnitude >= 0x3F800000, normal, below_one).bitwise_or_((bits >> 28) & 8).long()
+
+
+def _lookup(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 value of each code, in codes' shape."""
+    return torch.index_select(_TABLE, 0, codes.reshape(-1)).view(codes.shape)
 
 
 def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
@@ -48,9 +57,9 @@ def quantize_rows(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, tor
     exponent = (largest >> 23) - 129 + ((largest & 0x7FFFFF) > 0x400000).to(torch.int32)
     exponent = exponent.clamp(MIN_EXPONENT, MAX_EXPONENT).masked_fill(~finite[:, None], 0)
     scaled = grouped * _power_of_two(-exponent)[:, :, None]
-    codes = torch.bucketize(scaled.abs(), _BOUNDARIES) | ((scaled.view(torch.int32) >> 28) & 8).long()
+    codes = _encode(scaled)
     codes.masked_fill_(~finite[:, None, None], 0)
-    dequantized = _TABLE[codes] * _power_of_two(exponent)[:, :, None]
+    dequantized = _lookup(codes) * _power_of_two(exponent)[:, :, None]
     scale_bytes = (exponent + 127).masked_fill(~finite[:, None], NAN_SCALE)
     return codes.view(r, BLOCK_ELEMENTS), scale_bytes, dequantized.view(r, BLOCK_ELEMENTS), finite
 
@@ -61,7 +70,7 @@ def decode_rows(rows: torch.Tensor) -> torch.Tensor:
     packed = grid[:, :CODE_BYTES].long()
     codes = torch.stack([packed & 15, packed >> 4], dim=2).view(-1, GROUPS, GROUP_ELEMENTS)
     scale_bytes = grid[:, CODE_BYTES:].to(torch.int32)
-    values = _TABLE[codes] * (scale_bytes << 23).view(torch.float32)[:, :, None]
+    values = _lookup(codes) * (scale_bytes << 23).view(torch.float32)[:, :, None]
     bits = torch.where(scale_bytes[:, :, None] == NAN_SCALE, _CANONICAL_NAN, values.view(torch.int32))
     return bits.view(torch.float32).view(-1, BLOCK_ELEMENTS)
 

@@ -42,8 +42,6 @@ ROW_WORDS = ROW_BYTES // 4
 NAN_SCALE = 0xFF
 #: The magnitudes by code (0-7).
 VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: Midpoints between neighbouring magnitudes, and whether a value exactly there rounds up (to an even code).
-MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 assert BLOCK_ELEMENTS % GROUP_ELEMENTS == 0 and GROUPS % 4 == 0, "a row's scales fill whole 32-bit words"
 
