@@ -27,9 +27,14 @@ fastest. The schedule is a function of the pass count (counted at each backward'
   decides alike.
 
 Steady state: every ``CHECK_EVERY`` passes the median step of the window goes through one all-reduce (MAX), which is
-read at the next check, so no rank waits on it. When the step strays more than ``DRIFT`` from the first window after
-the lock for ``DRIFT_CHECKS`` checks in a row, and ``RETUNE_SPACING`` passes have gone since tuning last ended,
-tuning starts again. A bucket leaving an FP8 format with error feedback hands its residuals to its next exchange
+read at the next check, so no rank waits on it. On a GPU nothing in it makes the host wait: the window counts only the
+steps whose events are done (``Event.query``), the median goes to the device and the result comes back by
+non-blocking copies through pinned host buffers made once, and an event recorded after the copy back is queried at
+the next check. Were it not done by then (the GPU a whole window behind the host), the check waits for it: every
+rank must judge the same windows, and a window skipped on one rank but read on another could set off a re-tune on
+one rank alone, whose collectives no peer would match. When the step strays more than ``DRIFT`` from the first
+window after the lock for ``DRIFT_CHECKS`` checks in a row, and ``RETUNE_SPACING`` passes have gone since tuning last
+ended, tuning starts again. A bucket leaving an FP8 format with error feedback hands its residuals to its next exchange
 (``residuals.take_for_fold``): nothing is lost at a switch, however often the rounds switch.
 """
 
@@ -159,7 +164,13 @@ class OnlineTuner:
         self._last_end: Optional[Mark] = None
         self._locked_at = 0
         self._window: List[Tuple[Mark, Mark]] = []
-        self._pending: Optional[Tuple[Any, torch.Tensor]] = None
+        self._pending: Optional[Tuple[Any, Any]] = None
+        """The last check's all-reduce, read at the next: on CPU its work and tensor, on a GPU the event recorded
+        after its copy back (and None)."""
+        self._check_buffers: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        """On a GPU, the steady checks' pinned host buffer in, device buffer, pinned host buffer out (made once)."""
+        self.late_checks = 0
+        """Steady checks whose result had not come back by the next check, which then waited for it (GPU only)."""
         self._baseline: Optional[float] = None
         self._drifted = 0
         self._restored: Optional[Dict[int, int]] = None
@@ -260,7 +271,7 @@ class OnlineTuner:
         """Combine one timed pass's times across ranks (MAX) and keep them with ``trial``, taken in round ``r``."""
         n = max(self._bytes) + 1 if self._bytes else 0
         local = [step if step is not None else 0.0] + [exchanges.get(i, 0.0) for i in range(n)]
-        combined = self._all_reduce_max(state, local).tolist()
+        combined = self._all_reduce_max(state, local)
         trial.steps.append(combined[0])
         trial.rounds.append(r)
         for i in range(n):
@@ -319,17 +330,12 @@ class OnlineTuner:
         if (p - self._locked_at) % CHECK_EVERY or p == self._locked_at:
             return
         if self._pending is not None:
-            work, value = self._pending
-            run_collective("all_reduce", _SUBJECT, work.wait)
-            self._judge(float(value.item()), p)  # issued a window ago: done, so no wait
+            self._judge(self._read_check(), p)
         # On a GPU only the steps whose events are done count: a rank's own median may differ, the MAX is agreed.
-        times = [self._seconds(a, b) for a, b in self._window if not self._cuda or b.query()]
+        times = [self._elapsed(a, b) for a, b in self._window if self._done(a) and self._done(b)]
         median = statistics.median(times) if times else 0.0
         self._window = []
-        if self._start is None:
-            self._pending = self._all_reduce_max(state, [median], wait=False)
-        else:
-            self._pending = None
+        self._pending = self._issue_check(state, median) if self._start is None else None
 
     def _judge(self, step: float, p: int) -> None:
         if step <= 0.0:
@@ -400,23 +406,64 @@ class OnlineTuner:
         return self.calls.event() if self._cuda else self.calls.now()
 
     def _seconds(self, a: Mark, b: Mark) -> float:
+        """Seconds from ``a`` to ``b``; on a GPU this waits for both events (while tuning only)."""
         if self._cuda:
-            a.synchronize()  # while tuning (the steady state asks only for events that are done)
+            a.synchronize()
             b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
+        return self._elapsed(a, b)
+
+    def _elapsed(self, a: Mark, b: Mark) -> float:
+        """Seconds from ``a`` to ``b``, both done (``_done``): no wait."""
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
+
+    def _done(self, mark: Mark) -> bool:
+        return mark.query() if self._cuda else True
 
     def _pass_end(self, ends: Dict[int, Mark]) -> Optional[Mark]:
         if not ends:
             return None
         return list(ends.values())[-1] if self._cuda else max(ends.values())  # CUDA: the last marked
 
-    def _all_reduce_max(self, state: Any, values: List[float], wait: bool = True) -> Any:
-        group = state.context.group
+    def _all_reduce_max(self, state: Any, values: List[float]) -> List[float]:
+        """The ranks' maximum of each of ``values``, waited for (a timed pass's times, while tuning: on a GPU the host
+        waits for the copies and the all-reduce)."""
         tensor = self.calls.tensor(values, self.calls.device() if self._cuda else torch.device("cpu"))
         with state.queue.ordered():
-            work = run_collective("all_reduce", _SUBJECT, self.calls.all_reduce_max, tensor, group, not wait)
-        return tensor.cpu() if wait else (work, tensor)
+            run_collective("all_reduce", _SUBJECT, self.calls.all_reduce_max, tensor, state.context.group, False)
+        return tensor.cpu().tolist()
+
+    def _issue_check(self, state: Any, median: float) -> Tuple[Any, Any]:
+        """Start a steady check's all-reduce (MAX) of this rank's ``median``; ``_read_check`` reads it at the next
+        check. Nothing here waits for the device: on a GPU the value goes in and comes back by non-blocking copies
+        through pinned host buffers, and the event recorded after the copy back says when it is there."""
+        group = state.context.group
+        if not self._cuda:
+            tensor = self.calls.tensor([median], torch.device("cpu"))
+            with state.queue.ordered():
+                work = run_collective("all_reduce", _SUBJECT, self.calls.all_reduce_max, tensor, group, True)
+            return work, tensor
+        if self._check_buffers is None:
+            self._check_buffers = (self.calls.pinned(1), self.calls.zeros(1, self.calls.device()), self.calls.pinned(1))
+        host_in, on_device, host_out = self._check_buffers
+        host_in.fill_(median)  # the last check's copy in has run: its event, after it, was done (_read_check)
+        on_device.copy_(host_in, non_blocking=True)
+        with state.queue.ordered():
+            work = run_collective("all_reduce", _SUBJECT, self.calls.all_reduce_max, on_device, group, True)
+        # NCCL: the current stream waits for the all-reduce, the host does not (gloo on CUDA tensors: the host waits).
+        run_collective("all_reduce", _SUBJECT, work.wait)
+        host_out.copy_(on_device, non_blocking=True)
+        return None, self.calls.event()
+
+    def _read_check(self) -> float:
+        """The last check's all-reduced median step (see ``_issue_check``), issued a window ago."""
+        work, result = self._pending
+        if not self._cuda:
+            run_collective("all_reduce", _SUBJECT, work.wait)  # done a window ago: no wait
+            return float(result.item())
+        if not result.query():  # the GPU is a window behind the host: wait, so that every rank judges this window
+            self.late_checks += 1
+            result.synchronize()
+        return float(self._check_buffers[2].item())  # pinned host memory, there since the event is done
 
 
 class TunerCalls:
@@ -450,6 +497,16 @@ class TunerCalls:
     def tensor(values: List[float], device: torch.device) -> torch.Tensor:
         """``values`` as a float64 tensor on ``device``, copied from pageable memory (on a GPU the host waits)."""
         return torch.tensor(values, dtype=torch.float64, device=device)
+
+    @staticmethod
+    def pinned(n: int) -> torch.Tensor:
+        """``n`` float64 in pinned host memory, which copies to and from a GPU need not wait for."""
+        return torch.zeros(n, dtype=torch.float64, pin_memory=True)
+
+    @staticmethod
+    def zeros(n: int, device: torch.device) -> torch.Tensor:
+        """``n`` float64 on ``device``."""
+        return torch.zeros(n, dtype=torch.float64, device=device)
 
     @staticmethod
     def all_reduce_max(tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
