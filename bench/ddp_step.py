@@ -107,6 +107,9 @@ def init() -> torch.device:
     return device
 
 
+#: Each timed step ends at a barrier of every rank (``--barrier``).
+STEP_BARRIER = False
+
 #: The profile ``triton_hook_auto`` follows (``--format-profile``).
 FORMAT_PROFILE: Optional[str] = None
 
@@ -205,8 +208,16 @@ def make_step(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], opt: to
 
 def time_steps(ddp: nn.Module, loss: Callable[[nn.Module], torch.Tensor], steps: int, warmup: int,
                device: torch.device, clip: Optional[Callable[[], None]] = None) -> List[float]:
-    """Milliseconds of each of ``steps`` synchronised steps (SGD, lr 1e-4), after ``warmup`` untimed ones."""
-    return time_calls(make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip), steps, warmup, device)
+    """Milliseconds of each of ``steps`` synchronised steps (SGD, lr 1e-4), after ``warmup`` untimed ones; with
+    ``--barrier`` each ends at a barrier of every rank, so that it is the slowest rank's step."""
+    step = make_step(ddp, loss, torch.optim.SGD(ddp.parameters(), lr=1e-4), clip)
+    if STEP_BARRIER:
+        def step_then_barrier(step: Callable[[], None] = step) -> None:
+            step()
+            dist.barrier()
+
+        step = step_then_barrier
+    return time_calls(step, steps, warmup, device)
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -307,7 +318,7 @@ def take_turns(timers: Sequence[Tuple[str, Callable[[int, int], List[float]]]], 
     rows = []
     for (variant, _), ts, counts in zip(timers, times, link):
         row = {"variant": variant, "median_ms": statistics.median(ts), "mean_ms": statistics.fmean(ts),
-               "min_ms": min(ts), "steps": len(ts)}
+               "min_ms": min(ts), "steps": len(ts), "times_ms": ts}
         if link_iface:
             row.update(node_link_per_step(*counts))
         rows.append(row)
@@ -454,6 +465,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "per variant (default 5)")
     p.add_argument("--rounds", type=int, default=5, help="the variants take turns this many times (not in --profile)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--barrier", action="store_true",
+                   help="end each timed step at a barrier of every rank: the slowest rank's step, not rank 0's")
     p.add_argument("--threads", type=int, default=None,
                    help="torch's intra-op threads per rank (torch.set_num_threads; default: torch's own, every core, "
                         "which ranks sharing a CPU oversubscribe)")
@@ -508,8 +521,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
 
-    global FORMAT_PROFILE
-    FORMAT_PROFILE = args.format_profile
+    global FORMAT_PROFILE, STEP_BARRIER
+    FORMAT_PROFILE, STEP_BARRIER = args.format_profile, args.barrier
     if any(v in GRAPH_VARIANTS for v in args.variants.split(",")):
         # torch's recipe for capturing DDP in a CUDA graph: NCCL's async error handling off, before the group exists
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
