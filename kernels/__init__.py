@@ -11,7 +11,7 @@ one-off use; ``pack`` and ``unpack`` check a layout once and keep it, ``plain_ca
 for tensors like these, for the hot path. A prepared call runs on the tensors each call passes, ``call(tensors,
 out)``, compared with its examples (an FSDP group's new buffers every step); or, fixed to tensors its caller keeps,
 ``call.fixed(tensors, out)()`` runs with no check at all (a DDP bucket's step). On CPU tensors each takes the torch
-path (and the compiled C passes for FP8), unless Triton's interpreter is on.
+path (and the compiled C passes for FP8 and E2M1), unless Triton's interpreter is on.
 """
 
 from ._triton import INTERPRETER

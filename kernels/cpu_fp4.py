@@ -1,158 +1,143 @@
-"""The block-scaled E2M1 passes on CPU tensors, in torch ops with the Triton kernels' bits (``fp4.py``).
+"""The E2M1 passes on CPU tensors: the compiled ones (``fp4_cpu.c`` through ``native_cpu``) where they build and give
+the torch passes' bits, otherwise the torch passes (``torch_fp4``), the reference they are checked against.
 
-CPU tensors take these passes unless ``TRITON_INTERPRET=1``; the tests check both give identical bits. Every float32
-operation is the kernel's, in its order: scale, add the residual, choose each group's power-of-two scale, round to
-nearest-even, and sum the ranks' blocks in rank order. Whole rows at a time, no per-element Python. The rounding
-gives the kernel's codes (which compare with the midpoints) in fewer torch ops: below 1, ``round(2|v|)`` (ties to
-even: 0.25 -> 0, 0.75 -> code 2, 1.0); from 1 on, the float32 bits rounded to one mantissa bit as FP8's encoding does
-(a tie carries to the even code). The decoding is a lookup in the 16 values (``index_select``: torch's ``table[codes]``
-is ten times slower on CPUs). Each operation is one function with
-``cpu_fp8``'s arguments, less the FP8 format, giving the pass over the tensors it is given as a call.
+As ``cpu_fp8`` does for FP8, with its wrappers (a 16-bit bucket through a float32 scratch buffer a step at a time,
+the sum of blocks as a dequantize per rank and torch's adds): on first use in a process the compiled passes run
+beside the torch passes on values over float32's whole range and every E2M1 midpoint, and are not used, with a
+warning, if any bit differs. Each operation is one function with the torch passes' arguments, giving the pass over
+the tensors it is given as a call (``quantize_pass``, ``reduce_pass``, ``dequantize_pass``, ``sum_blocks_pass``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import functools
+import warnings
+from typing import Callable, Optional
 
 import torch
 
+from . import cpu_fp8, native_cpu, torch_fp4
 from .blocks import BlockLayout
-from .fp4 import CODE_BYTES, GROUP_ELEMENTS, GROUPS, NAN_SCALE, ROW_BYTES, VALUES
-from .fp8 import BLOCK_ELEMENTS, MAX_EXPONENT, MIN_EXPONENT
-from .torch_path import _converter
-from .torch_wire import finish_stats
-
-_CANONICAL_NAN = 0x7FC00000
-
-
-#: The value of each code 0-15 (8-15: the negatives, code 8 is -0.0).
-_TABLE = torch.tensor(list(VALUES) + [-v for v in VALUES], dtype=torch.float32)
-
-
-def _encode(scaled: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (int64) of float32 values with |v| <= 6 (NaN and inf: any code; the caller replaces them)."""
-    bits = scaled.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    normal = ((magnitude + 0x1FFFFF + ((magnitude >> 22) & 1)) >> 22) - (126 << 1)
-    below_one = torch.round(scaled.abs() * 2.0).to(torch.int32)
-    return torch.where(magnitude >= 0x3F800000, normal, below_one).bitwise_or_((bits >> 28) & 8).long()
-
-
-def _lookup(codes: torch.Tensor) -> torch.Tensor:
-    """The float32 value of each code, in codes' shape."""
-    return torch.index_select(_TABLE, 0, codes.reshape(-1)).view(codes.shape)
-
-
-def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
-    return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
-
-
-def quantize_rows(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes int64 (R, 128), scale bytes int32 (R, groups), dequantized float32 (R, 128), finite bool (R,)) of
-    float32 rows (R, 128), contiguous."""
-    r = values.shape[0]
-    grouped = values.view(r, GROUPS, GROUP_ELEMENTS)
-    largest = (grouped.view(torch.int32) & 0x7FFFFFFF).amax(dim=2)
-    finite = largest.amax(dim=1) < 0x7F800000 if r else torch.ones(0, dtype=torch.bool)
-    exponent = (largest >> 23) - 129 + ((largest & 0x7FFFFF) > 0x400000).to(torch.int32)
-    exponent = exponent.clamp(MIN_EXPONENT, MAX_EXPONENT).masked_fill(~finite[:, None], 0)
-    scaled = grouped * _power_of_two(-exponent)[:, :, None]
-    codes = _encode(scaled)
-    codes.masked_fill_(~finite[:, None, None], 0)
-    dequantized = _lookup(codes) * _power_of_two(exponent)[:, :, None]
-    scale_bytes = (exponent + 127).masked_fill(~finite[:, None], NAN_SCALE)
-    return codes.view(r, BLOCK_ELEMENTS), scale_bytes, dequantized.view(r, BLOCK_ELEMENTS), finite
-
-
-def decode_rows(rows: torch.Tensor) -> torch.Tensor:
-    """float32 (R, 128): each row's codes times its group's scale; NaN (0x7FC00000) in a row sent as non-finite."""
-    grid = rows.view(-1, ROW_BYTES)
-    packed = grid[:, :CODE_BYTES].long()
-    codes = torch.stack([packed & 15, packed >> 4], dim=2).view(-1, GROUPS, GROUP_ELEMENTS)
-    scale_bytes = grid[:, CODE_BYTES:].to(torch.int32)
-    values = _lookup(codes) * (scale_bytes << 23).view(torch.float32)[:, :, None]
-    bits = torch.where(scale_bytes[:, :, None] == NAN_SCALE, _CANONICAL_NAN, values.view(torch.int32))
-    return bits.view(torch.float32).view(-1, BLOCK_ELEMENTS)
-
-
-def write_rows(rows: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor) -> None:
-    """The row buffer ``rows`` (uint8, R rows) <- codes (R, 128), two to a byte, then the scale bytes."""
-    grid = rows.view(-1, ROW_BYTES)
-    grid[:, :CODE_BYTES] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    grid[:, CODE_BYTES:] = scale_bytes.to(torch.uint8)
-
-
-def _grid(values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """float32 (n_rows, 128): the bucket's values where the layout puts them, zero elsewhere."""
-    grid = torch.zeros(layout.n_rows * BLOCK_ELEMENTS, dtype=torch.float32, device=values.device)
-    grid.index_copy_(0, layout.positions(), values)  # index_copy_/index_select: torch's x[index] is slower on CPU
-    return grid.view(layout.n_rows, BLOCK_ELEMENTS)
+from .fp4 import GROUP_ELEMENTS, ROW_BYTES, VALUES
+from .fp8 import BLOCK_ELEMENTS
 
 
 def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float,
                   residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out."""
-
-    def run() -> None:
-        x = src.float()  # widened, then multiplied in float32, as the kernel
-        if scale != 1.0:
-            x = x * scale
-        if residual is not None:
-            x = x + residual
-        grid = _grid(x, layout)
-        codes, scale_bytes, dequantized, finite = quantize_rows(grid)
-        write_rows(rows, codes, scale_bytes)
-        if residual is not None:
-            left = (grid - dequantized).masked_fill_(~finite[:, None], 0.0)
-            torch.index_select(left.view(-1), 0, layout.positions(), out=residual)
-
-    return run
+    """:func:`torch_fp4.quantize_pass`, compiled where it can be."""
+    passes = compiled_passes()
+    if passes is None:
+        return torch_fp4.quantize_pass(src, layout, rows, scale, residual)
+    return cpu_fp8._compiled_quantize(passes, src, layout, rows, scale, residual, ROW_BYTES)
 
 
 def reduce_pass(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """out_rows <- the requantized sum, in float32 and rank order from +0, of the ranks' copies of this shard's rows
-    (+ the residual); residual <- what the rounding left out."""
-    per_rank = out_rows.numel() // ROW_BYTES
-    step = per_rank * ROW_BYTES
-
-    def run() -> None:
-        total = torch.zeros(per_rank, BLOCK_ELEMENTS, dtype=torch.float32, device=out_rows.device)
-        for rank in range(n_ranks):
-            total.add_(decode_rows(received[rank * step:(rank + 1) * step]))
-        if residual is not None:
-            total.add_(residual.view(per_rank, BLOCK_ELEMENTS))
-        codes, scale_bytes, dequantized, finite = quantize_rows(total)
-        write_rows(out_rows, codes, scale_bytes)
-        if residual is not None:
-            residual.view(per_rank, BLOCK_ELEMENTS).copy_((total - dequantized).masked_fill_(~finite[:, None], 0.0))
-
-    return run
+    """:func:`torch_fp4.reduce_pass`, compiled where it can be."""
+    passes = compiled_passes()
+    if passes is None:
+        return torch_fp4.reduce_pass(received, n_ranks, out_rows, residual)
+    return cpu_fp8._compiled_reduce(passes, received, n_ranks, out_rows, residual, ROW_BYTES)
 
 
 def dequantize_pass(rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor, stats: Optional[torch.Tensor],
                     canonical_nan: bool = True) -> Callable[[], None]:
-    """dst <- the blocks' values, rounded once to dst's dtype (NaNs canonical unless told not to); optional
-    [sum of squares, non-finite count]."""
-
-    def run() -> None:
-        values = decode_rows(rows).view(-1).index_select(0, layout.positions())
-        _converter(dst, values, 1.0, canonical_nan)()
-        finish_stats(stats, dst)
-
-    return run
+    """:func:`torch_fp4.dequantize_pass`, compiled where it can be."""
+    passes = compiled_passes()
+    if passes is None:
+        return torch_fp4.dequantize_pass(rows, layout, dst, stats, canonical_nan)
+    return cpu_fp8._compiled_dequantize(passes, rows, layout, dst, stats, canonical_nan, ROW_BYTES)
 
 
 def sum_blocks_pass(received: torch.Tensor, n_ranks: int, layout: BlockLayout,
                     out: torch.Tensor) -> Callable[[], None]:
-    """out (float32) <- the values of the ``n_ranks`` row slices of ``received`` summed in float32 in rank order from
-    the first rank's, each block where the layout puts it."""
-    step = layout.n_rows * ROW_BYTES
+    """:func:`torch_fp4.sum_blocks_pass`, compiled where it can be."""
+    passes = compiled_passes()
+    if passes is None:
+        return torch_fp4.sum_blocks_pass(received, n_ranks, layout, out)
+    return cpu_fp8._compiled_sum_blocks(passes, received, n_ranks, layout, out, ROW_BYTES)
 
-    def run() -> None:
-        total = decode_rows(received[:step])
-        for rank in range(1, n_ranks):
-            total = total + decode_rows(received[rank * step:(rank + 1) * step])
-        torch.index_select(total.view(-1), 0, layout.positions(), out=out)
 
-    return run
+def cpu_fp4_passes() -> str:
+    """Which E2M1 passes a call on CPU tensors takes now: "compiled" (``fp4_cpu.c``) or "torch"."""
+    return "compiled" if compiled_passes() is not None else "torch"
+
+
+def compiled_passes() -> Optional[native_cpu.WirePasses]:
+    """The compiled E2M1 passes where they are enabled, built and give the torch passes' bits; else None."""
+    if not native_cpu.enabled():
+        return None
+    return _checked_compiled()
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_compiled() -> Optional[native_cpu.WirePasses]:
+    library = native_cpu.library()
+    if library is None:
+        return None
+    passes = library["e2m1"]
+    problem = _disagreement(passes)
+    if problem is not None:
+        warnings.warn(f"ddp_triton: the compiled CPU E2M1 passes differ from the torch passes ({problem}) and are "
+                      "not used; CPU tensors take the plain-torch E2M1 path", RuntimeWarning, stacklevel=3)
+        return None
+    return passes
+
+
+def _self_check_values(n: int, seed: int) -> torch.Tensor:
+    """``cpu_fp8``'s values over float32's whole range (zeros, -0, a block holding an infinity, one a NaN, one whose
+    dequantized value overflows), and from seven blocks on, a block of every E2M1 value and midpoint, both signs,
+    at scale 1 (each group's largest value 6)."""
+    values = cpu_fp8._self_check_values(n, seed)
+    if n >= 7 * BLOCK_ELEMENTS:
+        magnitudes = torch.tensor(VALUES)
+        probes = torch.cat([magnitudes, (magnitudes[1:] + magnitudes[:-1]) / 2])  # 15 a sign
+        group = torch.cat([probes, -probes, torch.tensor([6.0, -0.0])])
+        assert group.numel() == GROUP_ELEMENTS
+        values[6 * BLOCK_ELEMENTS:7 * BLOCK_ELEMENTS] = group.repeat(BLOCK_ELEMENTS // GROUP_ELEMENTS)
+    return values
+
+
+def _disagreement(passes: native_cpu.WirePasses) -> Optional[str]:
+    """Where the compiled passes' bits differ from the torch passes' (quantize with error feedback and at scale 1
+    without, a reduce over three ranks, dequantize to float32 and bfloat16, a sum of blocks over three ranks), or
+    None."""
+    from .blocks import block_layout
+
+    n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
+    layout = block_layout([77, 7 * BLOCK_ELEMENTS + 3, n - 7 * BLOCK_ELEMENTS - 80], ranks)  # short blocks inside
+    src = _self_check_values(n, seed=1)
+    results = []
+    for native in (True, False):
+        residual = _self_check_values(n, seed=2) * 2.0**-10
+        rows = torch.zeros(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
+        if native:
+            cpu_fp8._compiled_quantize(passes, src, layout, rows, 0.5, residual, ROW_BYTES)()
+        else:
+            torch_fp4.quantize_pass(src, layout, rows, 0.5, residual)()
+        received = torch.cat([rows[: layout.rows_per_shard * ROW_BYTES]] * ranks)
+        out = torch.zeros(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
+        shard_residual = _self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=3) * 2.0**-12
+        dst, dst16, summed = torch.empty(n), torch.empty(n, dtype=torch.bfloat16), torch.empty(n)
+        plain = torch.zeros_like(rows)  # the other quantize: scale 1, no residual
+        all_rows = torch.cat([rows] * ranks)
+        if native:
+            cpu_fp8._compiled_reduce(passes, received, ranks, out, shard_residual, ROW_BYTES)()
+            cpu_fp8._compiled_dequantize(passes, rows, layout, dst, None, True, ROW_BYTES)()
+            cpu_fp8._compiled_dequantize(passes, rows, layout, dst16, None, True, ROW_BYTES)()
+            cpu_fp8._compiled_quantize(passes, src, layout, plain, 1.0, None, ROW_BYTES)()
+            cpu_fp8._compiled_sum_blocks(passes, all_rows, ranks, layout, summed, ROW_BYTES)()
+        else:
+            torch_fp4.reduce_pass(received, ranks, out, shard_residual)()
+            torch_fp4.dequantize_pass(rows, layout, dst, None, True)()
+            torch_fp4.dequantize_pass(rows, layout, dst16, None, True)()
+            torch_fp4.quantize_pass(src, layout, plain, 1.0, None)()
+            torch_fp4.sum_blocks_pass(all_rows, ranks, layout, summed)()
+        results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
+                        "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
+                        "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain,
+                        "sum of blocks": summed.view(torch.int32)})
+    for what, got in results[0].items():
+        if not torch.equal(got, results[1][what]):
+            return f"E2M1: the {what}"
+    return None

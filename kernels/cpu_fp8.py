@@ -63,7 +63,7 @@ def cpu_fp8_passes(fmt: Fp8Format = E4M3) -> str:
     return "compiled" if compiled_passes(fmt) is not None else "torch"
 
 
-def compiled_passes(fmt: Fp8Format) -> Optional[native_cpu.Fp8Passes]:
+def compiled_passes(fmt: Fp8Format) -> Optional[native_cpu.WirePasses]:
     """The compiled passes of ``fmt`` where they are enabled, built and give the torch passes' bits; else None."""
     if not native_cpu.enabled():
         return None
@@ -71,7 +71,7 @@ def compiled_passes(fmt: Fp8Format) -> Optional[native_cpu.Fp8Passes]:
 
 
 @functools.lru_cache(maxsize=None)
-def _checked_compiled(dtype: torch.dtype) -> Optional[native_cpu.Fp8Passes]:
+def _checked_compiled(dtype: torch.dtype) -> Optional[native_cpu.WirePasses]:
     library = native_cpu.library()
     if library is None:
         return None
@@ -106,7 +106,7 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
     return values
 
 
-def _disagreement(passes: native_cpu.Fp8Passes, fmt: Fp8Format) -> Optional[str]:
+def _disagreement(passes: native_cpu.WirePasses, fmt: Fp8Format) -> Optional[str]:
     """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
     error feedback and at scale 1 without, a reduce over three ranks, dequantize to float32 and bfloat16 with
     canonical NaNs), or None."""
@@ -160,11 +160,12 @@ def _row_spans(layout: BlockLayout) -> Tuple[Tuple[int, int, int, int], ...]:
     return layout.step_spans(CHUNK_ROWS)
 
 
-def _compiled_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
-                       scale: float, residual: Optional[torch.Tensor]) -> Callable[[], None]:
+def _compiled_quantize(passes: native_cpu.WirePasses, src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor,
+                       scale: float, residual: Optional[torch.Tensor],
+                       row_bytes: int = ROW_BYTES) -> Callable[[], None]:
     """The compiled quantize, any layout (its block table says where each row's elements are): one call for a
     float32 bucket; a 16-bit one is widened step by step into a float32 scratch buffer that stays in cache (the
-    kernel widens, then multiplies)."""
+    kernel widens, then multiplies). ``row_bytes``: the format's (``cpu_fp4`` shares these wrappers)."""
     apply_scale = int(scale != 1.0)
     residual_at = residual.data_ptr() if residual is not None else None
     table = layout.table
@@ -174,7 +175,7 @@ def _compiled_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: 
         return _keeping(lambda: passes.quantize(*arguments), src, rows, residual, table)
     wide = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
     steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e0, table.data_ptr() + 16 * r0, r1 - r0, scale,
-                                            apply_scale, residual_at, rows.data_ptr() + ROW_BYTES * r0))
+                                            apply_scale, residual_at, rows.data_ptr() + row_bytes * r0))
              for r0, r1, e0, e1 in _row_spans(layout)]
 
     def run() -> None:
@@ -185,15 +186,16 @@ def _compiled_quantize(passes: native_cpu.Fp8Passes, src: torch.Tensor, layout: 
     return _keeping(run, src, rows, residual, wide, table)
 
 
-def _compiled_reduce(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
-                     residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    arguments = (received.data_ptr(), out_rows.numel() // ROW_BYTES, n_ranks,
+def _compiled_reduce(passes: native_cpu.WirePasses, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
+                     residual: Optional[torch.Tensor], row_bytes: int = ROW_BYTES) -> Callable[[], None]:
+    arguments = (received.data_ptr(), out_rows.numel() // row_bytes, n_ranks,
                  residual.data_ptr() if residual is not None else None, out_rows.data_ptr())
     return _keeping(lambda: passes.reduce(*arguments), received, out_rows, residual)
 
 
-def _compiled_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
-                         stats: Optional[torch.Tensor], canonical_nan: bool) -> Callable[[], None]:
+def _compiled_dequantize(passes: native_cpu.WirePasses, rows: torch.Tensor, layout: BlockLayout, dst: torch.Tensor,
+                         stats: Optional[torch.Tensor], canonical_nan: bool,
+                         row_bytes: int = ROW_BYTES) -> Callable[[], None]:
     """The compiled dequantize, any layout: straight into a float32 bucket; into a 16-bit one through a float32
     scratch buffer, step by step, rounded once by torch's conversion."""
     table = layout.table
@@ -206,7 +208,7 @@ def _compiled_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layou
 
         return _keeping(direct, rows, dst, table)
     values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=dst.device)
-    steps = [((rows.data_ptr() + ROW_BYTES * r0, table.data_ptr() + 16 * r0, min(r1, layout.n_blocks) - r0,
+    steps = [((rows.data_ptr() + row_bytes * r0, table.data_ptr() + 16 * r0, min(r1, layout.n_blocks) - r0,
                values.data_ptr(), e0, 0), _converter(dst[e0:e1], values[: e1 - e0], 1.0, canonical_nan))
              for r0, r1, e0, e1 in _row_spans(layout) if e1 > e0]
 
@@ -219,18 +221,18 @@ def _compiled_dequantize(passes: native_cpu.Fp8Passes, rows: torch.Tensor, layou
     return _keeping(through_scratch, rows, dst, values, table)
 
 
-def _compiled_sum_blocks(passes: native_cpu.Fp8Passes, received: torch.Tensor, n_ranks: int, layout: BlockLayout,
-                         out: torch.Tensor) -> Callable[[], None]:
+def _compiled_sum_blocks(passes: native_cpu.WirePasses, received: torch.Tensor, n_ranks: int, layout: BlockLayout,
+                         out: torch.Tensor, row_bytes: int = ROW_BYTES) -> Callable[[], None]:
     """The compiled sum of blocks, step by step: each step's rows of the first rank dequantized into ``out``, each
     further rank's into a scratch buffer that stays in cache, and added there (no scratch of ``out``'s size)."""
-    table, rank_bytes = layout.table, layout.n_rows * ROW_BYTES
+    table, rank_bytes = layout.table, layout.n_rows * row_bytes
     values = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=out.device)
     steps = []
     for r0, r1, e0, e1 in _row_spans(layout):
         if e1 == e0:
             continue
         rows = min(r1, layout.n_blocks) - r0
-        at = [(received.data_ptr() + rank * rank_bytes + ROW_BYTES * r0, table.data_ptr() + 16 * r0, rows)
+        at = [(received.data_ptr() + rank * rank_bytes + row_bytes * r0, table.data_ptr() + 16 * r0, rows)
               for rank in range(n_ranks)]
         steps.append((at, e0, out[e0:e1], values[: e1 - e0]))
 

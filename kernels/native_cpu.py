@@ -1,19 +1,20 @@
-"""The compiled CPU form of the FP8 wire passes (``fp8_cpu.c``): built on first use, loaded through ctypes.
+"""The compiled CPU form of the block-scaled wire passes (``fp8_cpu.c``, ``fp4_cpu.c``): built on first use into
+one library, loaded through ctypes.
 
-torch has no fused FP8 quantizer for CPU tensors, and its FP8 conversions go element by element, so the plain-torch
-path (``torch_wire``) takes about ten passes over memory where the Triton kernel takes one. A gloo job on CPUs then
-spends longer in the FP8 passes than on the link the format was chosen for. ``fp8_cpu.c`` does each pass in one
-sweep, with the kernels' integer rounding and the same float32 operations in the same order, so its bits are the
-kernels'. It is compiled the way Triton compiles its own launchers: the system's C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``), once per machine and source, into ``$XDG_CACHE_HOME/ddp-triton/native`` (a private temporary
-folder, removed once loaded, where that is not a folder of this user's that only this user and root can change).
-Flags that would change a result are not used, nor a compiler's fast-math default (``-fno-fast-math``, no FMA
+torch has no fused FP8 or E2M1 quantizer for CPU tensors, and its FP8 conversions go element by element, so the
+plain-torch paths (``torch_wire``, ``torch_fp4``) take about ten passes over memory where the Triton kernel takes one. A
+gloo job on CPUs then spends longer in the passes than on the link the format was chosen for. The C sources do each pass
+in one sweep, with the kernels' integer rounding and the same float32 operations in the same order, so their bits are
+the kernels'. The library is compiled the way Triton compiles its own launchers: the system's C compiler (``$CC``, else
+``cc``, ``gcc`` or ``clang``), once per machine and sources, into ``$XDG_CACHE_HOME/ddp-triton/native`` (a private
+temporary folder, removed once loaded, where that is not a folder of this user's that only this user and root can
+change). Flags that would change a result are not used, nor a compiler's fast-math default (``-fno-fast-math``, no FMA
 contraction: ``-ffp-contract=off``); ``-fno-trapping-math`` only lets the compiler vectorise branch-free selects. A
 built library is recorded with its SHA-256 and loaded only from the same open file whose bytes match it.
 
-No compiler, a failed build or ``DDP_TRITON_NATIVE_CPU=0`` leaves the torch path in place, with one warning for the
-first two. ``cpu_fp8`` also checks the library's bits against the torch passes' on first use and falls back on a
-mismatch.
+No compiler, a failed build or ``DDP_TRITON_NATIVE_CPU=0`` leaves the torch paths in place, with one warning for the
+first two. ``cpu_fp8`` and ``cpu_fp4`` also check each format's passes against the torch passes' on first use and
+fall back on a mismatch.
 """
 
 from __future__ import annotations
@@ -34,20 +35,25 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-#: Set to 0 to keep CPU tensors on the plain-torch FP8 path.
+#: Set to 0 to keep CPU tensors on the plain-torch FP8 and E2M1 paths.
 ENV_SWITCH = "DDP_TRITON_NATIVE_CPU"
-SOURCE = Path(__file__).with_name("fp8_cpu.c")
+#: Compiled together into one library (one build, one load, one warning).
+SOURCES = (Path(__file__).with_name("fp8_cpu.c"), Path(__file__).with_name("fp4_cpu.c"))
 #: Never a flag that changes a value: see the module's docstring.
 FLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
 #: Tried first, where the compiler takes it: vector instructions of this machine (the cache key names the machine).
 NATIVE_FLAGS = ["-march=native"]
 COMPILE_TIMEOUT_S = 120
-FORMAT_NAMES = ("e4m3", "e5m2")
+#: The cached library's name: ``<name>-<key>.so``, the key a digest of the sources, compiler, flags and machine.
+LIBRARY_NAME = "wire_cpu"
+#: The formats whose passes the library exports (``ddpt_quantize_<name>``, ...): FP8's two and E2M1.
+FORMAT_NAMES = ("e4m3", "e5m2", "e2m1")
 
 
 @dataclass(frozen=True)
-class Fp8Passes:
-    """The three passes of one FP8 format, as C functions taking addresses (``tensor.data_ptr()``).
+class WirePasses:
+    """The three passes of one block-scaled format, as C functions taking addresses (``tensor.data_ptr()``); the
+    same arguments in every format, rows of the format's size.
 
     - ``quantize(src, src_offset, table, n_rows, scale, apply_scale, residual_or_None, rows)``: float32 src
       holding the bucket from element ``src_offset`` on, ``table`` a layout's int64 (start, length) rows;
@@ -67,19 +73,19 @@ def enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> Optional[Dict[str, Fp8Passes]]:
-    """The compiled passes by format name ("e4m3", "e5m2"), built or found in the cache; None where they cannot be
-    built (warned once)."""
+def library() -> Optional[Dict[str, WirePasses]]:
+    """The compiled passes by format name ("e4m3", "e5m2", "e2m1"), built or found in the cache; None where they
+    cannot be built (warned once)."""
     flushing_before = _flushes_subnormals()
     try:
         lib = _load()
     except (OSError, _BuildError) as exc:
-        warnings.warn(f"ddp_triton: the compiled CPU FP8 passes are unavailable ({exc}); CPU tensors take the "
-                      f"plain-torch FP8 path, which is several times slower (set {ENV_SWITCH}=0 to silence this)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"ddp_triton: the compiled CPU wire passes are unavailable ({exc}); CPU tensors take the "
+                      f"plain-torch FP8 and E2M1 paths, which are several times slower (set {ENV_SWITCH}=0 to silence "
+                      "this)", RuntimeWarning, stacklevel=2)
         return None
     if _flushes_subnormals() and not flushing_before:  # a compiler whose defaults link fast-math's start-up code
-        warnings.warn(f"ddp_triton: loading the compiled CPU FP8 passes turned on flush-to-zero for this process "
+        warnings.warn(f"ddp_triton: loading the compiled CPU wire passes turned on flush-to-zero for this process "
                       f"(the C compiler's defaults); they are not used. Set {ENV_SWITCH}=0, or CC to another "
                       "compiler, and restart: this process's float math stays changed", RuntimeWarning, stacklevel=2)
         return None
@@ -94,7 +100,7 @@ def library() -> Optional[Dict[str, Fp8Passes]]:
         dequantize.argtypes = [address, address, size, address, size, ctypes.c_int]
         for fn in (quantize, reduce, dequantize):
             fn.restype = None
-        passes[name] = Fp8Passes(quantize, reduce, dequantize)
+        passes[name] = WirePasses(quantize, reduce, dequantize)
     return passes
 
 
@@ -177,15 +183,16 @@ def _load() -> ctypes.CDLL:
     verified copy is found. Verified: a regular file of this user's, no link, nobody else may write to it, and its
     bytes have the SHA-256 recorded beside it when it was built (a file cut short by a crash would crash the loader).
     What is verified is what is loaded: the same open file."""
-    if not SOURCE.is_file():
-        raise _BuildError(f"{SOURCE} is missing from the installation")
+    for source in SOURCES:
+        if not source.is_file():
+            raise _BuildError(f"{source} is missing from the installation")
     compiler = _compiler()
-    source = SOURCE.read_bytes()
+    sources = [source.read_bytes() for source in SOURCES]
     version = _compiler_version(compiler)
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), version.encode(), " ".join(FLAGS).encode(),
                                      _machine_text().encode()])).hexdigest()[:20]
     folder, temporary = _cache_folder()
-    target = folder / f"fp8_cpu-{key}.so"
+    target = folder / f"{LIBRARY_NAME}-{key}.so"
     try:
         fd = _open_verified(target)
         if fd is None:
@@ -258,11 +265,11 @@ def _build(compiler: str, folder: Path, target: Path) -> None:
     """Compile into ``target`` (and its recorded SHA-256), each renamed into place whole, flushed to disk first."""
     errors: List[str] = []
     for extra in (NATIVE_FLAGS, []):
-        partial = _write_new(folder, ".fp8_cpu-", ".so", None)
+        partial = _write_new(folder, f".{LIBRARY_NAME}-", ".so", None)
         try:
             try:
-                out = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, str(SOURCE)], capture_output=True,
-                                     text=True, timeout=COMPILE_TIMEOUT_S)
+                out = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, *map(str, SOURCES)],
+                                     capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise _BuildError(f"{compiler} failed to run: {exc}") from exc
             if out.returncode == 0:
@@ -270,7 +277,8 @@ def _build(compiler: str, folder: Path, target: Path) -> None:
                 with open(partial, "rb") as built:
                     contents = built.read()
                     os.fsync(built.fileno())
-                digest = _write_new(folder, ".fp8_cpu-", ".sha256", hashlib.sha256(contents).hexdigest().encode())
+                digest = _write_new(folder, f".{LIBRARY_NAME}-", ".sha256",
+                                    hashlib.sha256(contents).hexdigest().encode())
                 os.replace(partial, target)  # atomic; replaces a link at the target rather than writing through
                 os.replace(digest, _digest_path(target))
                 return
@@ -279,4 +287,4 @@ def _build(compiler: str, folder: Path, target: Path) -> None:
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
-    raise _BuildError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+    raise _BuildError(f"{compiler} could not build {', '.join(s.name for s in SOURCES)}: {errors[-1]}")

@@ -43,7 +43,8 @@ def test_wheel_maps_kernels_into_the_package(tmp_path):
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "ddp_triton").rglob("*.py")}
     missing = sorted(p for p in on_disk if p not in names)
     assert not missing, f"modules left out of the wheel (pyproject's packages list): {missing}"
-    assert "ddp_triton/kernels/fp8_cpu.c" in names, "the compiled CPU passes' source (package-data) is left out"
+    assert {"ddp_triton/kernels/fp8_cpu.c", "ddp_triton/kernels/fp4_cpu.c"} <= set(names), \
+        "the compiled CPU passes' sources (package-data) are left out"
     assert not any(n.startswith("kernels/") for n in names), "a top-level `kernels` package would clash on PyPI"
     assert any(n.endswith("entry_points.txt") for n in names)
 
@@ -51,7 +52,8 @@ def test_wheel_maps_kernels_into_the_package(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     env = dict(os.environ, PYTHONPATH=str(site), TRITON_INTERPRET="0")
     probe = ("import ddp_triton.kernels as k, ddp_triton; from ddp_triton.kernels import native_cpu; "
-             "print(k.__file__); print(ddp_triton.triton_hook.__name__); print(native_cpu.SOURCE.is_file())")
+             "print(k.__file__); print(ddp_triton.triton_hook.__name__); "
+             "print(all(s.is_file() for s in native_cpu.SOURCES))")
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]

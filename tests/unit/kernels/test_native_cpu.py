@@ -167,7 +167,7 @@ def test_a_library_with_other_bits_is_refused(compiled, broken):
     passes = native_cpu.library()["e4m3"]
     fields = {name: getattr(passes, name) for name in ("quantize", "reduce", "dequantize")}
     fields[broken] = lambda *arguments: None
-    assert cpu_fp8._disagreement(native_cpu.Fp8Passes(**fields), fp8.E4M3) is not None
+    assert cpu_fp8._disagreement(native_cpu.WirePasses(**fields), fp8.E4M3) is not None
     assert cpu_fp8._disagreement(passes, fp8.E4M3) is None
     assert cpu_fp8.cpu_fp8_passes() == "compiled"
 
@@ -206,7 +206,7 @@ def test_the_build_never_writes_through_or_loads_a_planted_link(compiled, fresh_
     """A link at the library's cached path (to a file of somebody's) is replaced by a fresh build, the linked file
     untouched; a cache folder others may write to is not used at all."""
     assert native_cpu.library() is not None
-    (built,) = list(fresh_build.glob("fp8_cpu-*.so"))
+    (built,) = list(fresh_build.glob(f"{native_cpu.LIBRARY_NAME}-*.so"))
     victim = tmp_path / "victim.so"
     victim.write_bytes(b"not a library")
     built.unlink()
@@ -296,7 +296,7 @@ def test_a_cached_library_cut_short_is_rebuilt_not_loaded(compiled, tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     build = _in_a_process("from ddp_triton.kernels import native_cpu; print(native_cpu.library() is not None)", env)
     assert build.stdout.strip() == "True", build.stderr[-2000:]
-    (built,) = list((tmp_path / "ddp-triton" / "native").glob("fp8_cpu-*.so"))
+    (built,) = list((tmp_path / "ddp-triton" / "native").glob(f"{native_cpu.LIBRARY_NAME}-*.so"))
     whole = built.read_bytes()
     with open(built, "r+b") as f:
         f.truncate(16384)
