@@ -19,6 +19,7 @@ DTYPE_SIZES: Dict[str, int] = {
     "float16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float4_e2m1fn_x2": 1,  # two E2M1 values a byte, as torch stores them
     "int64": 8,
     "int32": 4,
     "int8": 1,

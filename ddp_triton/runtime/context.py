@@ -112,7 +112,9 @@ def _bind(group: Any, profile: Any, comm_dtype: Any, wire: WireFormat, queue: Ex
     wire_setting = AUTO_FORMAT if comm_dtype == AUTO_FORMAT else wire.name
     if online is not None:  # the ranks must admit the same formats: compared with the setting
         wire_setting += " tune=online " + ",".join(online)
-    active, algorithm_groups = bind_profile(profile, group=group, world_size=world_size, comm_dtype=comm_dtype,
+    # The profile is looked up by the dtype on the wire (a format's name as comm_dtype names one too)
+    dtype = AUTO_FORMAT if comm_dtype == AUTO_FORMAT else wire.wire_dtype
+    active, algorithm_groups = bind_profile(profile, group=group, world_size=world_size, comm_dtype=dtype,
                                             backend=backend, wire_format=wire_setting)
     if online is not None:  # before tuning, a bucket the profile does not place goes in the most accurate format
         formats = {name: WireFormat.parse(name) for name in sorted_by_preference(online_formats(online, active))}

@@ -22,6 +22,8 @@ sends the gradients in a wire format (``ddp_triton/formats.py``, the same option
   rounding, so no second stage. The residuals are each rank's own: ``FSDPCommState.state_dict()`` /
   ``load_state_dict()`` on every rank, saved beside the rank's shard of the model and optimizer (by parameter
   name, each parameter's residual in its dim-0-padded shape, flat).
+- block-scaled 4-bit E2M1 (``comm_dtype="fp4e2m1+ef"``, any format's name is read as ``comm_dtype``): the same,
+  in rows of 68 bytes (``kernels.row_bytes``) in place of FP8's 132.
 
 The op FSDP passes is honoured: AVG divides by the group's size, SUM not at all, PREMUL_SUM by the factor it
 carries (the module's ``gradient_divide_factor``).
@@ -65,7 +67,7 @@ from .. import kernels
 from ..formats import WireFormat, average_factors, sorted_by_preference
 from ..machine.profile import AUTO_FORMAT
 from ..kernels.blocks import BlockLayout
-from ..kernels.fp8 import BLOCK_ELEMENTS, ROW_BYTES
+from ..kernels.fp8 import BLOCK_ELEMENTS
 from .collective_errors import run_collective
 from .wire_exchanges import ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
@@ -175,7 +177,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
             if self.residual is None:
                 self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=device)
             residual = self.residual
-        send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
+        send = torch.empty(layout.n_rows * kernels.row_bytes(fmt), dtype=torch.uint8, device=device)
         run = self.kernels.run
         run(("quantize", sizes, n, scale, fmt), lambda src, rows, left: kernels.quantize_blocks.prepare(
             src, layout, rows, scale, fmt=fmt, residual=left), input_tensor, send, residual)
@@ -306,6 +308,7 @@ def register(model: torch.nn.Module, comm_dtype: Any = torch.bfloat16,
         raise TypeError(f"register expects an nn.Module sharded with fully_shard, got {type(model).__name__}")
     online = fsdp_online_formats(comm_dtype, tune, formats)
     wire = None if online is not None else WireFormat.from_options(comm_dtype, accumulate_dtype, error_feedback)
+    _check_flat("comm_dtype", wire)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("the model has no FSDP module: call torch.distributed.fsdp.fully_shard on it (and its "
@@ -317,6 +320,7 @@ def register(model: torch.nn.Module, comm_dtype: Any = torch.bfloat16,
                             f"{type(replicate_group).__name__}")
         replica_wire = WireFormat.from_options(replicate_comm_dtype, replicate_accumulate_dtype,
                                                replicate_error_feedback)
+        _check_flat("replicate_comm_dtype", replica_wire)
         if any(_is_native_hsdp(m) for m in modules):
             raise ValueError("the model is sharded on a 2-D mesh (native HSDP), which all-reduces the replicas "
                              "itself in float32: shard it on the mesh's shard dimension (mesh['shard']) and pass "
@@ -357,6 +361,13 @@ def fsdp_online_formats(comm_dtype: Any, tune: Any, formats: Any) -> Optional[Di
     if two_level:
         raise ValueError(f"formats: FSDP's reduce-scatter has no two-level exchange ({', '.join(two_level)})")
     return {name: chosen[name] for name in sorted_by_preference(list(chosen))}
+
+
+def _check_flat(option: str, wire: Optional[WireFormat]) -> None:
+    """A ValueError naming ``option`` where it names a two-level format (a name can): FSDP's hops have none."""
+    if wire is not None and wire.two_level:
+        raise ValueError(f"{option}={wire.name!r}: FSDP's reduce-scatter and replica hop have no two-level exchange "
+                         f"(name the flat format, {wire.flat().name!r})")
 
 
 def _shard_group(modules: List[Any]) -> Any:

@@ -53,11 +53,10 @@ def check(options: Dict[str, Any], defaults: Dict[str, Any]) -> WireFormat:
 
 
 def settings_wire(comm_dtype: Any, accumulate_dtype: Any, error_feedback: Any, hierarchical: Any) -> WireFormat:
-    """The WireFormat of a state's options (``WireFormat.from_options``); for ``comm_dtype="auto"``, bfloat16's, the
-    others being left unset (each bucket's format names them), else a ValueError naming the one that is set."""
-    if isinstance(comm_dtype, str):
-        if comm_dtype != AUTO_FORMAT:
-            raise ValueError(f"comm_dtype must be a torch dtype or 'auto', got {comm_dtype!r}")
+    """The WireFormat of a state's options (``WireFormat.from_options``: a torch dtype, or a format's name such as
+    ``"fp4e2m1+ef"``); for ``comm_dtype="auto"``, bfloat16's, the others being left unset (each bucket's format
+    names them), else a ValueError naming the one that is set."""
+    if comm_dtype == AUTO_FORMAT:
         for name, value, unset in (("accumulate_dtype", accumulate_dtype, None),
                                    ("error_feedback", error_feedback, None), ("hierarchical", hierarchical, False)):
             if value is not unset:

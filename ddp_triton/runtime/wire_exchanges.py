@@ -2,7 +2,7 @@
 
 - ``all_reduce_exchange``: pack, one all-reduce, unpack (fp32, bf16, fp16; 16 bits with float32 sums over two ranks).
 - ``float32_sum_exchange`` and ``block_fp8_exchange``: the formats whose sum must not be taken in the wire dtype
-  (``formats.py``). A kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each rank the
+  (``formats.py``; the block-scaled one serves FP8 and E2M1 alike). A kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each rank the
   N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard, and a
   kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
 - ``chunked_fp8_exchange``: the FP8 exchange of a bucket cut into chunks at block boundaries (``chunks.py``), one
@@ -25,7 +25,6 @@ import torch.distributed as dist
 from .. import kernels
 from ..formats import WireFormat
 from ..kernels.blocks import BlockLayout
-from ..kernels.fp8 import ROW_BYTES
 from .chunks import boundaries, cuts, pieces_within
 from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
 from .prepared_calls import PreparedCalls
@@ -110,15 +109,17 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
                        pre_scale: float, residual: Optional[Tuple[torch.Tensor, torch.Tensor]],
                        stats: Optional[torch.Tensor], prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
-    """Block-scaled FP8: quantize (with error feedback: ``residual``, the first and second stages it adds and
-    keeps, ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize.
-    With ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
+    """Block-scaled FP8 or E2M1 (``wire.comm_dtype`` is the passes' ``fmt``, its rows ``kernels.row_bytes(fmt)``
+    bytes): quantize (with error feedback: ``residual``, the first and second stages it adds and keeps,
+    ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize. With
+    ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
     if prepared is not None and stats is not None:
         raise ValueError("an exchange through prepared calls takes no statistics")
-    send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
-    recv = torch.empty_like(send)
-    shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8, device=buffer.device)
     fmt, sizes = wire.comm_dtype, layout.sizes
+    row = kernels.row_bytes(fmt)
+    send = torch.empty(layout.n_rows * row, dtype=torch.uint8, device=buffer.device)
+    recv = torch.empty_like(send)
+    shard = torch.empty(layout.rows_per_shard * row, dtype=torch.uint8, device=buffer.device)
     first, second = residual if residual is not None else (None, None)
     quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
                        lambda b, rows, left: kernels.quantize_blocks.prepare(b, layout, rows, pre_scale, fmt=fmt,

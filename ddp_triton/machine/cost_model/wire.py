@@ -9,14 +9,16 @@ A bucket of ``n`` float32 gradients at world size N can travel as
   float32, then an all-gather of the bfloat16 shards (the same bytes again). As many bytes per rank as a ring
   all-reduce, but two collectives and no bfloat16 rounding in the sum. At N = 2 the runtime sends it as one bf16
   all-reduce, the same bits (a sum of two values rounds once either way), and so is it priced;
-* ``fp8``: the same exchange in block-scaled FP8: blocks of ``FP8_BLOCK`` = 128 elements, each sent as 128 one-byte
-  values and a float32 scale (``FP8_BLOCK_BYTES`` = 132 bytes, 1.03125 bytes per element), the block count padded
-  to a multiple of N.
+* ``fp8``: the same exchange in block-scaled FP8: blocks of ``BLOCK`` = 128 elements, each sent as 128 one-byte
+  values and a float32 scale (132 bytes, 1.03125 bytes per element), the block count padded to a multiple of N;
+* ``fp4e2m1``: the same in block-scaled E2M1, a block's row 68 bytes (0.53125 bytes per element).
 
-Time is the wire's only: the casts, the FP8 scaling and the float32 sums are kernels this does not model. These are
-``ddp_triton.formats.TRAFFIC``'s classes; every format's name is accepted too (``formats.traffic_of``):
-``fp16+fp32sum`` travels as ``bf16+fp32sum`` does, ``fp8e4m3`` and ``fp8e5m2`` as ``fp8``, and a ``+ef`` suffix
-(error feedback) sends nothing more.
+Time is the wire's only: the casts, the block scaling and the float32 sums are kernels this does not model. A
+format is priced by its own properties (``ddp_triton.formats.WireFormat``: whether it is one all-reduce at this
+world size, its bytes per element or per block's row, its dtype), read from ``formats.WIRES`` where each is declared;
+``formats.TRAFFIC``'s class names (``fp8``, ``bf16+fp32sum``) stand for the formats that travel alike
+(``formats.traffic_format``): ``fp16+fp32sum`` travels as ``bf16+fp32sum`` does, ``fp8e4m3`` and ``fp8e5m2`` as
+``fp8``, and a ``+ef`` suffix (error feedback) sends nothing more.
 
 All-to-all is NCCL's grouped send/receive to every peer: a base latency, a per-peer cost for each of the N-1
 messages (an intra-node hop, or a network proxy post), one network hop where nodes are crossed; bandwidth: each GPU
@@ -45,43 +47,46 @@ import math
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
-from ...formats import FP8_BLOCK, FP8_BLOCK_BYTES, WireFormat, traffic_of
+from ...dtypes import DTYPE_SIZES
+from ...formats import BLOCK, WireFormat, traffic_format
 from .fabric import PROTOCOLS, Fabric, _SIMPLE
 from .nccl import (BASE_LATENCY_US, HW_LATENCY_US, SINGLE_RANK_US, _latency_parts, _plateau, inter_gbps_nccl,
                    intra_gbps_nccl, nccl_protocol_time_us)
 from .ramp import NET_CHUNK_OVERHEAD_US, _factors, best, protocol_time_us
 
-_ALL_REDUCE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-_ALL_REDUCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16+fp32sum": "bfloat16"}
+def _one_all_reduce(fmt: WireFormat, world_size: int) -> bool:
+    """Whether ``fmt`` travels as one all-reduce at ``world_size``: the 32- and 16-bit all-reduce formats always;
+    16 bits with float32 sums over two ranks (``WireFormat.one_all_reduce``: the same bits)."""
+    return not fmt.sharded or fmt.one_all_reduce(world_size)
 
 
-def _one_all_reduce(wire_format: str, world_size: int) -> bool:
-    """Whether ``wire_format`` (a ``TRAFFIC`` class) travels as one all-reduce at ``world_size``: the 32- and
-    16-bit all-reduce formats always; 16 bits with float32 sums over two ranks (``WireFormat.one_all_reduce``: the
-    same bits)."""
-    return wire_format in _ALL_REDUCE_ITEMSIZE or (wire_format == "bf16+fp32sum" and world_size == 2)
+def _passes_of(fmt: WireFormat, world_size: int) -> str:
+    """The class whose passes a bucket in ``fmt`` runs over ``world_size`` ranks (``HostCost``'s key): 16 bits with
+    float32 sums over two ranks is one all-reduce, a 16-bit format's pack and unpack with no sum pass."""
+    return replace(fmt, fp32_sum=False).traffic if fmt.sharded and _one_all_reduce(fmt, world_size) else fmt.traffic
 
 
-def _check(n_elements: int, wire_format: str, world_size: int) -> str:
-    wire_format = traffic_of(wire_format)
+def _check(n_elements: int, wire_format: str, world_size: int) -> WireFormat:
+    fmt = traffic_format(wire_format)
     if isinstance(n_elements, bool) or not isinstance(n_elements, int) or n_elements < 1:
         raise ValueError(f"n_elements must be an int >= 1, got {n_elements!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    return wire_format
+    return fmt
 
 
 def wire_collectives(n_elements: int, wire_format: str, world_size: int) -> List[Tuple[str, int]]:
     """The collectives that carry a bucket of ``n_elements`` float32 gradients, each as (``all_reduce`` |
     ``all_to_all`` | ``all_gather``, bytes of its whole buffer, as nccl-tests counts a message)."""
-    wire_format = _check(n_elements, wire_format, world_size)
-    if _one_all_reduce(wire_format, world_size):
-        return [("all_reduce", n_elements * _ALL_REDUCE_ITEMSIZE.get(wire_format, 2))]
+    fmt = _check(n_elements, wire_format, world_size)
+    itemsize = DTYPE_SIZES[fmt.wire_dtype]
+    if _one_all_reduce(fmt, world_size):
+        return [("all_reduce", n_elements * itemsize)]
     n = world_size
-    if wire_format == "bf16+fp32sum":
-        msg = math.ceil(n_elements / n) * n * 2
+    if fmt.row_bytes is None:
+        msg = math.ceil(n_elements / n) * n * itemsize
     else:
-        msg = math.ceil(math.ceil(n_elements / FP8_BLOCK) / n) * n * FP8_BLOCK_BYTES
+        msg = math.ceil(math.ceil(n_elements / BLOCK) / n) * n * fmt.row_bytes
     return [("all_to_all", msg), ("all_gather", msg)]
 
 
@@ -133,7 +138,7 @@ def wire_format_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> fl
     total = 0.0
     for kind, msg in wire_collectives(n_elements, wire_format, fabric.world_size):
         if kind == "all_reduce":
-            total += best(fabric, msg, _ALL_REDUCE_DTYPE[traffic_of(wire_format)]).time_us
+            total += best(fabric, msg, traffic_format(wire_format).wire_dtype).time_us
         elif kind == "all_to_all":
             total += all_to_all_time_us(fabric, msg)
         else:
@@ -143,8 +148,8 @@ def wire_format_time_us(fabric: Fabric, n_elements: int, wire_format: str) -> fl
 
 def two_level_part(n_elements: int, ranks_per_node: int) -> int:
     """Elements of each rank's part in a two-level exchange: the bucket's blocks shared out, whole blocks each."""
-    blocks = math.ceil(n_elements / FP8_BLOCK)
-    return max(1, math.ceil(blocks / ranks_per_node)) * FP8_BLOCK
+    blocks = math.ceil(n_elements / BLOCK)
+    return max(1, math.ceil(blocks / ranks_per_node)) * BLOCK
 
 
 def two_level_node_bytes(n_elements: int, wire_format: str, ranks_per_node: int, nodes: int) -> int:
@@ -182,8 +187,9 @@ class HostCost:
     bucket_us: float
     collective_us: float
     ns_per_element: Tuple[Tuple[str, float], ...]
-    """(``TRAFFIC`` class, ns per bucket element of its passes on the whole bucket); two-level formats run them on
-    1/ppn of the bucket plus ``two_level_ns_per_element``."""
+    """(``WireFormat.traffic``, the class each dtype declares in ``formats.WIRES``; ns per bucket element of its
+    passes on the whole bucket); two-level formats run them on 1/ppn of the bucket plus
+    ``two_level_ns_per_element``."""
     two_level_ns_per_element: float = 0.0
     cuts_buckets: bool = False
     """Whether the runtime cuts a large FP8 or two-level bucket into chunks on this host (``chunkable``): on CPU
@@ -198,19 +204,24 @@ class HostCost:
 #: The host of a CPU gloo rank (``runtime`` on CPU tensors, the FP8 passes compiled): bench.hook_cost's extra host
 #: time per bucket over DDP without a hook (51.5 us for float32, 162 for bf16 + float32 sums, 147 for FP8: one more
 #: collective each, about 100 us) and bench.wire_kernels --cpu's passes per element (one thread, 25 MiB), both on
-#: an AMD EPYC with 2 cores, torch 2.13 (bench/RESULTS.md, 2026-12-01).
+#: an AMD EPYC with 2 cores, torch 2.13 (bench/RESULTS.md, 2026-12-01). E2M1's passes are its torch path (no
+#: compiled CPU path yet): 33 ns an element to quantize, 46 per shard element to reduce 4 ranks, 9 to dequantize
+#: (bench/RESULTS.md, H22, torch 2.14), 53 per bucket element at 4 ranks.
 CPU_HOST_COST = HostCost(
     bucket_us=51.5, collective_us=100.0,
-    ns_per_element=(("fp32", 0.12), ("bf16", 0.35), ("fp16", 0.35), ("bf16+fp32sum", 0.55), ("fp8", 0.83)),
+    ns_per_element=(("fp32", 0.12), ("bf16", 0.35), ("fp16", 0.35), ("bf16+fp32sum", 0.55), ("fp8", 0.83),
+                    ("fp4e2m1", 53.0)),
     two_level_ns_per_element=0.25, cuts_buckets=True,
     source="CPU ranks on gloo: bench.hook_cost and bench.wire_kernels --cpu, AMD EPYC, 2026-12-01")
 
 #: The host of a GPU rank: 66 us per bucket (the H200's bench.ddp_step, ``profile.DEFAULT_HOST_US_PER_BUCKET``); the
-#: passes are kernels at HBM rate (about 12 bytes per element for the 16-bit formats' pack and unpack, 30 for FP8's,
-#: at 3 TB/s). The further collective's cost is the CPU's figure: not measured on a GPU.
+#: passes are kernels at HBM rate (about 12 bytes per element for the 16-bit formats' pack and unpack, 30 for FP8's
+#: and about as many for E2M1's, whose residuals and bucket are the same bytes and whose rows are half, at 3 TB/s).
+#: The further collective's cost is the CPU's figure: not measured on a GPU.
 GPU_HOST_COST = HostCost(
     bucket_us=66.0, collective_us=100.0,
-    ns_per_element=(("fp32", 0.0), ("bf16", 0.004), ("fp16", 0.004), ("bf16+fp32sum", 0.005), ("fp8", 0.010)),
+    ns_per_element=(("fp32", 0.0), ("bf16", 0.004), ("fp16", 0.004), ("bf16+fp32sum", 0.005), ("fp8", 0.010),
+                    ("fp4e2m1", 0.010)),
     two_level_ns_per_element=0.003,
     source="GPU ranks: the H200's host time per bucket (bench.ddp_step); kernels at HBM rate; the further "
            "collective's cost as measured on CPU (not on a GPU)")
@@ -221,17 +232,15 @@ def collectives_of(fmt: WireFormat, fabric: Fabric) -> int:
     with one rank per node, as the runtime does)."""
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
         # the node's reduce-scatter (or all-reduce) and all-gather around the exchange between the nodes
-        return (1 if _one_all_reduce(fmt.traffic, fabric.nodes) else 2) + 2
-    return 1 if _one_all_reduce(fmt.traffic, fabric.world_size) else 2
+        return (1 if _one_all_reduce(fmt, fabric.nodes) else 2) + 2
+    return 1 if _one_all_reduce(fmt, fabric.world_size) else 2
 
 
 def host_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost) -> float:
     """The host and pass time of one bucket of ``n_elements`` float32 gradients in ``fmt``."""
     two_level = fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1
     exchanged_by = fabric.nodes if two_level else fabric.world_size
-    # 16 bits with float32 sums over two ranks is one all-reduce: a 16-bit format's passes, no sum pass
-    traffic = "bf16" if fmt.traffic == "bf16+fp32sum" and _one_all_reduce(fmt.traffic, exchanged_by) else fmt.traffic
-    passes = host.passes_ns(traffic)
+    passes = host.passes_ns(_passes_of(fmt, exchanged_by))
     if two_level:
         passes = passes / fabric.ranks_per_node + host.two_level_ns_per_element
     return host.bucket_us + (collectives_of(fmt, fabric) - 1) * host.collective_us + passes * n_elements * 1e-3
@@ -268,7 +277,7 @@ def chunkable(fmt: WireFormat, fabric: Fabric, host: HostCost) -> bool:
         return False
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
         return fmt.chunks_keep_bits(fabric.ranks_per_node, fabric.nodes)
-    return fmt.traffic == "fp8" and not fmt.two_level and fabric.world_size > 1 and \
+    return fmt.block_scaled and not fmt.two_level and fabric.world_size > 1 and \
         fmt.chunks_keep_bits(1, fabric.world_size)
 
 
@@ -296,11 +305,9 @@ def chunk_stages_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: Host
                         nvswitch=False, calibration=None)
         inside = all_gather_time_us(node, ppn * part * 4) + call
         copies = 0.5 * host.two_level_ns_per_element * n_elements * 1e-3
-        traffic = "bf16" if fmt.traffic == "bf16+fp32sum" and _one_all_reduce(fmt.traffic, fabric.nodes) \
-            else fmt.traffic
         between = (wire_format_time_us(cross, two_level_part(on_link, ppn), fmt.traffic)
-                   + host.passes_ns(traffic) * part * 1e-3)
-        return [inside + copies, between + (1 if _one_all_reduce(fmt.traffic, fabric.nodes) else 2) * call,
+                   + host.passes_ns(_passes_of(fmt, fabric.nodes)) * part * 1e-3)
+        return [inside + copies, between + (1 if _one_all_reduce(fmt, fabric.nodes) else 2) * call,
                 inside + copies]
     third = host.passes_ns(fmt.traffic) * n_elements * 1e-3 / 3
     return [third, wire_format_time_us(fabric, on_link, fmt.traffic) + 2 * call + third, third]
@@ -338,7 +345,7 @@ def link_bound_chunk_count(fabric: Fabric, n_elements: int, element_bytes: int, 
         return 1
 
     def price(k: int) -> float:
-        stages = chunk_stages_us(fabric, math.ceil(n_elements / k), fmt, host, link_elements=FP8_BLOCK)
+        stages = chunk_stages_us(fabric, math.ceil(n_elements / k), fmt, host, link_elements=BLOCK)
         return sum(stages) + (k - 1) * stages[1]
 
     return min(_chunk_counts(n_elements, element_bytes, min_chunk_bytes), key=price)

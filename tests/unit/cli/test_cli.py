@@ -260,7 +260,7 @@ def test_autotune_model_only_formats_are_in_the_profile_and_cached_for_auto(env,
 @pytest.mark.parametrize("argv,says", [
     pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "bf16,fp9"], "'fp9'",
                  id="unknown-format"),
-    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "bf16+ef"], "FP8 formats only",
+    pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--formats", "bf16+ef"], "block-scaled formats only",
                  id="ef-on-bf16"),
     pytest.param(["autotune", "--model-only", "--topology", "dgx-h100", "--host-cost", "cpu"], "--formats",
                  id="host-cost-without-formats"),

@@ -35,7 +35,7 @@ def test_plain_bf16_gives_way_where_its_ring_is_more_than_twice_as_wrong():
 
 def test_names_are_canonical_and_bad_ones_refused():
     assert admitted_formats(["two-level-fp8e4m3+ef", "fp32"], 4, 2)[0] == ["two-level fp8e4m3+ef", "fp32"]
-    for bad, match in (("fp9", "unknown"), ("bf16+ef", "FP8 formats only"), ("fp32+fp32sum", "bf16 and fp16"),
+    for bad, match in (("fp9", "unknown"), ("bf16+ef", "block-scaled formats only"), ("fp32+fp32sum", "bf16 and fp16"),
                        ("fp8e4m3+ef+ef", "unknown")):
         with pytest.raises(ValueError, match=match):
             admitted_formats([bad], 4, 1)
