@@ -2,10 +2,10 @@
 # One pass of every GPU check, for one call on a fresh machine with one CUDA GPU (the lent H200 in particular), most
 # valuable first: the kernel benchmark (buckets of 1 to 400 MiB, GPT-2's gradient list, host cost per call, CUDA
 # graph replay), a profile of the DDP step without a hook and with triton_hook (per-bucket host times, the GPU's idle
-# gaps in the backward, chrome traces), the DDP step of a GPT-2-small-shaped transformer in bf16 autocast under each
-# hook, the GPU-tier tests, the hook at world size 2 and 4 with every rank on the one GPU over gloo (every format,
-# flat and two-level, whole and in chunks: the CPU tensors' bits, and a killed peer named), the DDP-step benchmark of
-# the MLP, the wire formats' kernels and DDP steps, the autotuner's measure mode at world size 1. The timed benchmarks
+# gaps in the backward, chrome traces), the GPU-tier tests, the hook at world size 2 and 4 with every rank on the one
+# GPU over gloo (every format, flat and two-level, whole and in chunks: the CPU tensors' bits, and a killed peer
+# named), the DDP-step benchmark of the MLP, the DDP step of a GPT-2-small-shaped transformer in bf16 autocast under
+# each hook, the wire formats' kernels and DDP steps, the autotuner's measure mode at world size 1. The timed benchmarks
 # append to bench/RESULTS.md (the profile does not).
 #
 #   bash bench/gpu_check.sh            # at most 540 s, install included (TOTAL below)
@@ -89,10 +89,6 @@ step kernels 140 90 python3 -m bench.kernels --sweep --out-dir "$work"
 # chrome trace each (in the archive only).
 step ddp_profile 75 60 python3 -m bench.ddp_step --profile --variants no_hook,triton_hook_bf16 --steps 10 --rounds 1 \
   --out-dir "$work"
-# A transformer's step (GPT-2 small's shape, batch 8 x 1024 tokens, bf16 autocast) under each hook.
-step ddp_gpt2 90 18 python3 -m bench.ddp_step --model gpt2 \
-  --variants no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,triton_hook_fp32 --rounds 3 --steps 30 \
-  --out-dir "$work"
 
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
@@ -105,6 +101,11 @@ step gpu_tests 140 20 python3 -m pytest -q -m gpu "${per_test[@]}" --ignore=test
 step gpu_ranks 150 25 python3 -m pytest -q -rs tests/gpu/test_gpu_ranks.py
 
 step ddp_step 60 16 python3 -m bench.ddp_step --out-dir "$work"
+# A transformer's step (GPT-2 small's shape, batch 8 x 1024 tokens, bf16 autocast) under each hook: after the
+# tests and the MLP's step, which more unmeasured claims wait on.
+step ddp_gpt2 90 18 python3 -m bench.ddp_step --model gpt2 \
+  --variants no_hook,allreduce_hook,bf16_compress_hook,triton_hook_bf16,triton_hook_fp32 --rounds 3 --steps 30 \
+  --out-dir "$work"
 
 # The wire formats: their kernels against the copy ceiling, and a DDP step with each at world size 1 (NCCL's
 # all-to-all and all-gather over one rank: the kernels' cost in a step, not a network's).
