@@ -17,8 +17,16 @@ MAX_FINITE = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 BLOCK = 128
 
 
+def is_fp4(fmt) -> bool:
+    """Whether ``fmt`` names block-scaled E2M1 (``torch.float4_e2m1fn_x2``, or its name where torch lacks it)."""
+    return str(fmt).removeprefix("torch.") == "float4_e2m1fn_x2"
+
+
 def quantize_dequantize(values: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """float32 values of one tensor -> what block-scaled FP8 gives back, block by block (a non-finite block: NaN)."""
+    """float32 values of one tensor -> what block-scaled FP8 (or E2M1, ``fp4_quantize_dequantize``) gives back,
+    block by block (a non-finite block: NaN)."""
+    if is_fp4(fmt):
+        return fp4_quantize_dequantize(values)
     out = torch.empty_like(values)
     flat, result = values.reshape(-1), out.view(-1)
     for start in range(0, flat.numel(), BLOCK):
@@ -121,7 +129,7 @@ def two_level_average(per_rank: Sequence[torch.Tensor], sizes: Sequence[int], lo
                 pieces.append(slice(low, high))
             offset += size
         values = [[node_sums[k][p] for p in pieces] for k in range(nodes)]
-        if fmt in MAX_FINITE:
+        if fmt in MAX_FINITE or is_fp4(fmt):
             firsts = [[first[k][p].clone() for p in pieces] for k in range(nodes)] if first is not None else None
             seconds = [second[p].clone() for p in pieces] if second is not None else None
             averaged = fp8_average(values, fmt, firsts, seconds, scale=1.0)
@@ -196,3 +204,32 @@ def fp4_rows(values: torch.Tensor, sizes: Sequence[int]) -> Tuple[List[bytes], L
             dequantized += [float(torch.tensor(d, dtype=torch.float64).float()) for d in deq[:len(part)]]
         start += n
     return rows, dequantized
+
+
+def fp4_quantize_dequantize(values: torch.Tensor) -> torch.Tensor:
+    """float32 values of one tensor -> what block-scaled E2M1 gives back (``fp4_block``'s rule, on whole tensors at
+    once for the distributed tests): blocks of 128 (the last one short, as if zero-padded), per group of 32 the
+    smallest 2^e (e in [-126, 126]) with absmax / 2^e <= 6 by a search in float64, each value the nearest E2M1
+    magnitude by distance in float64, ties to the even code, the sign kept; a non-finite block comes back NaN."""
+    flat = values.reshape(-1).double()
+    n = flat.numel()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, dtype=torch.float64)
+    padded[:n] = flat
+    groups = padded.view(-1, FP4_GROUP)
+    absmax = groups.abs().amax(dim=1)
+    e = torch.full_like(absmax, -126.0)
+    while True:
+        grow = (absmax / torch.exp2(e) > 6.0) & (e < 126)
+        if not grow.any():
+            break
+        e = e + grow.double()
+    q = groups / torch.exp2(e)[:, None]
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    distance = (q.abs()[..., None] - magnitudes).abs()
+    nearest = distance == distance.amin(dim=-1, keepdim=True)
+    even = torch.arange(len(E2M1_VALUES)) % 2 == 0
+    code = (nearest.int() * 2 + (nearest & even).int()).argmax(dim=-1)  # among the nearest, the even code
+    out = torch.copysign(magnitudes[code], q) * torch.exp2(e)[:, None]
+    finite = torch.isfinite(padded.view(-1, BLOCK)).all(dim=1)
+    out = out.view(-1, BLOCK).masked_fill(~finite[:, None], math.nan)
+    return out.reshape(-1)[:n].float().view_as(values)

@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_helpers import local_backward, local_grads, torch_path_workers
 from test_wire_formats import Wide, assert_same_params, data, resume_matches_unbroken
-from wire_reference import MAX_FINITE, two_level_average
+from wire_reference import two_level_average
+from ddp_triton.formats import WireFormat
 
 LOCAL = 2  # ranks per node
 
@@ -29,11 +30,9 @@ class TwoLevelReference:
 
     def __init__(self, model, options, world_size, lr=0.05, nodes=None):
         self.model, self.world_size, self.nodes = copy.deepcopy(model), world_size, nodes
-        self.fmt = options["comm_dtype"]
-        self.float32_sums = options.get("accumulate_dtype") == torch.float32
+        wire = WireFormat.from_options(**options)
+        self.fmt, self.float32_sums, self.feedback = wire.comm_dtype, wire.fp32_sum, wire.error_feedback
         self.params = list(self.model.parameters())
-        fp8 = self.fmt in MAX_FINITE
-        self.feedback = fp8 and options.get("error_feedback", True)
         nodes = world_size // LOCAL
         self.first = [[torch.zeros(p.numel()) for p in self.params] for _ in range(nodes)]
         self.second = [torch.zeros(p.numel()) for p in self.params]
@@ -116,7 +115,9 @@ def check_against_reference(rank, world_size, options, bucket_cap_mb, steps=4, m
 
 def _every_format_worker(rank, world_size):
     for options in (dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype=torch.float8_e5m2, error_feedback=False),
-                    dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), dict(comm_dtype=torch.bfloat16)):
+                    dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32), dict(comm_dtype=torch.bfloat16),
+                    dict(comm_dtype="fp4e2m1+ef")):
+        wire = WireFormat.from_options(**options)
         for bucket_cap_mb in (25, 0.002):  # one bucket (its order reversed at the rebuild); one or two per tensor
             state = _same_bits_worker(rank, world_size, options, bucket_cap_mb)
             summary = state.summary()
@@ -124,14 +125,14 @@ def _every_format_worker(rank, world_size):
             cross = summary.between_nodes_bytes_per_step
             assert cross == sum(n for b in summary.buckets for fmt, n in b.wire_bytes.items() if "(node)" not in fmt)
             assert "between nodes" in summary.headline(), summary.headline()
-            per_element = {torch.float8_e4m3fn: 132 / 128, torch.float8_e5m2: 132 / 128}.get(options["comm_dtype"], 2)
+            per_element = wire.bytes_per_element
             elements = summary.fp32_bytes_per_step / 4
             assert cross >= elements / LOCAL * per_element, str(summary)
             assert cross <= (elements / LOCAL + 128 * 2 * len(summary.buckets)) * per_element + 264 * 2, str(summary)
             # Every bucket: the node's sum, the exchange between the nodes, the node's all-gather. Between two nodes
-            # 16 bits with float32 sums is one all-reduce (the same bits), FP8 an all-to-all and an all-gather.
-            fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
-            assert {len(e.exchange.stages) for e in state.plans.values()} == {4 if fp8 else 3}, str(summary)
+            # 16 bits with float32 sums is one all-reduce (the same bits), FP8 and E2M1 an all-to-all and an all-gather.
+            stages = 4 if wire.block_scaled else 3
+            assert {len(e.exchange.stages) for e in state.plans.values()} == {stages}, str(summary)
 
 
 def _three_nodes_worker(rank, world_size):
@@ -148,7 +149,8 @@ def test_two_level_between_three_nodes_sums_in_float32_by_all_to_all():
 
 
 def test_two_level_same_bits_as_the_reference():
-    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums, plain bf16: 2 nodes x 2 ranks."""
+    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums, plain bf16, E2M1 with error feedback (4
+    bits between nodes only): 2 nodes x 2 ranks."""
     torch_path_workers(_every_format_worker, 4, timeout=240)
 
 

@@ -1,4 +1,5 @@
-"""Wire formats under real DDP: 16 bits with float32 sums, and block-scaled FP8 with and without error feedback.
+"""Wire formats under real DDP: 16 bits with float32 sums, block-scaled FP8 with and without error feedback, and
+block-scaled E2M1 with error feedback.
 
 Tier: gloo multi-process on CPU (world sizes 2, 3 and 4, spawned here), on the kernels' torch CPU path. Every rank
 also computes every rank's local gradients on a copy of the model and averages them with the reference numerics of
@@ -52,8 +53,8 @@ class Reference:
 
     def __init__(self, model, options, world_size, lr=0.05):
         self.model, self.world_size = copy.deepcopy(model), world_size
-        self.fmt = options["comm_dtype"]
-        self.feedback = self.fmt in (torch.float8_e4m3fn, torch.float8_e5m2) and options.get("error_feedback", True)
+        wire = WireFormat.from_options(**options)
+        self.fmt, self.block_scaled, self.feedback = wire.comm_dtype, wire.block_scaled, wire.error_feedback
         params = list(self.model.parameters())
         self.first = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(world_size)]
         self.second = [torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -61,7 +62,7 @@ class Reference:
 
     def step(self, x, y, accumulate=1):
         per_rank = [local_grads(self.model, [(x, y)] * accumulate, r, self.world_size) for r in range(self.world_size)]
-        if self.fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if self.block_scaled:
             averaged = fp8_average(per_rank, self.fmt, self.first if self.feedback else None,
                                    self.second if self.feedback else None)
         else:
@@ -81,6 +82,7 @@ def assert_same_params(model, reference, step):
 FP8_EF = dict(comm_dtype=torch.float8_e4m3fn)
 FP8_E5M2_NO_EF = dict(comm_dtype=torch.float8_e5m2, error_feedback=False)
 BF16_FP32_SUM = dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
+FP4_EF = dict(comm_dtype="fp4e2m1+ef")  # by its name: error feedback on, float32 sums
 
 
 def train_like_reference(model, options, rank, world_size, steps, accumulate=1, group=None, data_shift=0,
@@ -114,21 +116,22 @@ def _same_bits_worker(rank, world_size, options, bucket_cap_mb, static_graph):
     live = [e for e in state.plans.values() if e.record.last_used == state.passes - 1]
     assert summary.wire_bytes_per_step == sum(e.exchange.send.numel() * e.exchange.send.element_size() for e in live)
     assert all(set(b.wire_bytes) == {state.wire.name} for b in summary.buckets), str(summary)
-    fp8 = options["comm_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2)
-    # 132/128 bytes per element for FP8 (0.26x float32's), 2 for bf16 (0.5x), plus the padding of each tensor's last
-    # block and of each bucket to N rows, which on this small model adds up to 0.05x.
-    assert summary.wire_bytes_per_step < summary.fp32_bytes_per_step * (0.32 if fp8 else 0.55), str(summary)
+    wire = WireFormat.from_options(**options)
+    # 132/128 bytes per element for FP8 (0.26x float32's), 68/128 for E2M1 (0.13x), 2 for bf16 (0.5x), plus the
+    # padding of each tensor's last block and of each bucket to N rows, which on this small model adds up to 0.05x.
+    assert summary.wire_bytes_per_step < summary.fp32_bytes_per_step * (wire.bytes_per_element / 4 + 0.05), \
+        str(summary)
 
 
 def _every_format_worker(rank, world_size):
-    for options in (FP8_EF, FP8_E5M2_NO_EF, BF16_FP32_SUM):
+    for options in (FP8_EF, FP8_E5M2_NO_EF, BF16_FP32_SUM, FP4_EF):
         _same_bits_worker(rank, world_size, options, 0.002, False)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_same_bits_as_the_reference_several_buckets(world_size):
-    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums; one bucket per tensor or so. (World size 2:
-    the no_sync / unused parameters / bfloat16 test.)"""
+    """FP8 E4M3 with error feedback, E5M2 without, bf16 with float32 sums, E2M1 with error feedback; one bucket per
+    tensor or so. (World size 2: the no_sync / unused parameters / bfloat16 test.)"""
     torch_path_workers(_every_format_worker, world_size)
 
 
@@ -196,7 +199,7 @@ def test_checkpoint_resumes_bit_identically(tmp_path):
 
 
 def _features_worker(rank, world_size):
-    for options in (FP8_EF, BF16_FP32_SUM):
+    for options in (FP8_EF, BF16_FP32_SUM, FP4_EF):
         _features_of(rank, world_size, options)
 
 
@@ -282,6 +285,13 @@ def test_wire_format_names_and_bad_combinations():
         WireFormat.from_options(torch.int8)
     with pytest.raises(ValueError, match="accumulate_dtype must be"):
         ddp_triton.CommState(comm_dtype=torch.float8_e4m3fn, accumulate_dtype=torch.bfloat16)
+    # A format's name as comm_dtype: the state's format, and the options that contradict it refused by name.
+    assert ddp_triton.CommState(comm_dtype="fp4e2m1+ef").wire.name == "fp4e2m1+ef"
+    assert ddp_triton.CommState(comm_dtype="fp4e2m1+ef", hierarchical=True).wire.name == "two-level fp4e2m1+ef"
+    with pytest.raises(ValueError, match="comm_dtype: wire format 'fp4e2m1\\+fp32sum\\+ef': \\+fp32sum is for bf16"):
+        ddp_triton.CommState(comm_dtype="fp4e2m1+fp32sum+ef")
+    with pytest.raises(ValueError, match="says error feedback is on, error_feedback=False"):
+        ddp_triton.CommState(comm_dtype="fp4e2m1+ef", error_feedback=False)
 
 
 class Given(nn.Module):
@@ -372,9 +382,11 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
     n = 1_000_003  # one tensor, a prime number of elements: both kinds of padding happen
     bucket = torch.zeros(n)
     fp8 = WireFormat.from_options(torch.float8_e4m3fn)
+    fp4 = WireFormat.from_options("fp4e2m1+ef")
     bf16 = WireFormat.from_options(torch.bfloat16, torch.float32)
     exchanges = {
         fp8.name: block_fp8_exchange(bucket, fp8, block_layout([n], world_size), None, world_size, 1.0, None, None),
+        fp4.name: block_fp8_exchange(bucket, fp4, block_layout([n], world_size), None, world_size, 1.0, None, None),
         bf16.name: float32_sum_exchange(bucket, bf16, None, world_size, 1.0, 1.0, None),
     }
     for name, exchange in exchanges.items():
@@ -388,6 +400,7 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
     ratio = cm.wire_bytes(n, fp8.name, world_size) / cm.wire_bytes(n, bf16.name, world_size)
     # Padding: the tensor's short last block and up to N - 1 empty rows, together under N rows of 128 elements.
     assert 132 / 256 <= ratio < 132 / 256 * (1 + world_size * 128 / n)
+    assert cm.wire_bytes(n, fp4.name, world_size) * 132 == cm.wire_bytes(n, fp8.name, world_size) * 68  # same rows
 
 
 def _disagreement_worker(rank, world_size):
