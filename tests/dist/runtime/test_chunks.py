@@ -109,17 +109,21 @@ def _ticking_clock():
 
 
 FP8 = dict(comm_dtype=torch.float8_e4m3fn)
+FP4 = dict(comm_dtype="fp4e2m1+ef")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_flat_fp8_chunks_keep_the_bits_and_residuals(world_size):
+@pytest.mark.parametrize("world_size, options", [pytest.param(2, FP8, id="2-fp8e4m3+ef"),
+                                                 pytest.param(3, FP8, id="3-fp8e4m3+ef"),
+                                                 pytest.param(3, FP4, id="3-fp4e2m1+ef")])
+def test_flat_block_scaled_chunks_keep_the_bits_and_residuals(world_size, options):
     """Chunks of 1 KiB of the bucket (about 4 blocks): one bucket, then one or two per layer after the rebuild."""
     for bucket_cap_mb in (25, 0.004):
-        torch_path_workers(_same_bits_worker, world_size, FP8, 1024, bucket_cap_mb, timeout=180)
+        torch_path_workers(_same_bits_worker, world_size, options, 1024, bucket_cap_mb, timeout=180)
 
 
 @pytest.mark.parametrize("options", [
     pytest.param(dict(FP8, hierarchical=True), id="fp8e4m3+ef"),
+    pytest.param(dict(FP4, hierarchical=True), id="fp4e2m1+ef"),
     pytest.param(dict(comm_dtype=torch.float8_e5m2, error_feedback=False, hierarchical=True), id="fp8e5m2"),
     pytest.param(dict(comm_dtype=torch.bfloat16, hierarchical=True), id="bf16"),
     pytest.param(dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32, hierarchical=True),

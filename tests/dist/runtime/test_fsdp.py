@@ -18,6 +18,7 @@ import ddp_triton.fsdp
 import ddp_helpers
 from ddp_helpers import local_backward, torch_path_workers
 from wire_reference import _left_over, fp8_average, quantize_dequantize
+from ddp_triton.formats import WireFormat
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp_api, "FSDPModule") or not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):
@@ -163,6 +164,9 @@ def _options_worker(rank, world_size):
         ddp_triton.fsdp.register(model, error_feedback=True)
     with pytest.raises(ValueError, match="no FSDP module"):
         ddp_triton.fsdp.register(make_model())
+    with pytest.raises(ValueError, match="comm_dtype='two-level fp4e2m1\\+ef': FSDP's reduce-scatter and replica hop "
+                                         "have no two-level exchange"):
+        ddp_triton.fsdp.register(model, comm_dtype="two-level fp4e2m1+ef")
     with pytest.raises(TypeError, match="nn.Module"):
         ddp_triton.fsdp.register("model")
     comm = ddp_triton.fsdp.register(model).comms[0]
@@ -309,16 +313,17 @@ def _fp8_expected(per_rank, firsts, world_size, fmt):
     return out
 
 
-def _fp8_worker(rank, world_size, tmp):
-    fmt = torch.float8_e4m3fn
+def _fp8_worker(rank, world_size, tmp, name="fp8e4m3+ef"):
+    """A block-scaled format with error feedback (``name``, given to register as comm_dtype), against the reference."""
+    fmt = WireFormat.parse(name).comm_dtype
 
     def fresh():
         model = shard(make_model(), world_size)
-        return model, ddp_triton.fsdp.register(model, comm_dtype=fmt), torch.optim.SGD(model.parameters(), lr=0.05)
+        return model, ddp_triton.fsdp.register(model, comm_dtype=name), torch.optim.SGD(model.parameters(), lr=0.05)
 
     plain = make_model()
     model, state, opt = fresh()
-    assert state.wire.name == "fp8e4m3+ef"
+    assert state.wire.name == name
     firsts = [[torch.zeros((-(-p.shape[0] // world_size) * world_size, *p.shape[1:])) for p in plain.parameters()]
               for _ in range(world_size)]
     for step in range(3):  # bits against the definition, the residuals carried from step to step
@@ -344,7 +349,7 @@ def _fp8_worker(rank, world_size, tmp):
     assert [c.kernels.prepared for c in state.comms if c.calls] == [2, 2, 2]  # quantize, sum of blocks: once
     # Resume: three more steps unbroken, against a save after these three and a load into a fresh model and state.
     saved, path = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 6))
-    assert saved["wire_format"] == "fp8e4m3+ef" and len(saved["residuals"]) == 6
+    assert saved["wire_format"] == name and len(saved["residuals"]) == 6
     assert all(t.abs().sum() > 0 for t in saved["residuals"].values())
     state = fresh()[1]
     bad = dict(torch.load(path, weights_only=True), rank=world_size)
@@ -413,9 +418,9 @@ def test_an_exchange_through_prepared_calls_takes_no_statistics():
     assert prepared.prepared == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_fp8_with_error_feedback_matches_the_reference_and_resumes(world_size, tmp_path):
-    torch_path_workers(_fp8_worker, world_size, str(tmp_path))
+@pytest.mark.parametrize("world_size, name", [(2, "fp8e4m3+ef"), (3, "fp8e4m3+ef"), (2, "fp4e2m1+ef")])
+def test_block_scaled_with_error_feedback_matches_the_reference_and_resumes(world_size, name, tmp_path):
+    torch_path_workers(_fp8_worker, world_size, str(tmp_path), name)
 
 
 def _fp8_interpreter_worker(rank, world_size, tmp):
@@ -439,14 +444,14 @@ def test_fp8_through_the_triton_kernels_matches_the_reference_and_resumes(tmp_pa
         run_workers(_fp8_interpreter_worker, 3, str(tmp_path), timeout=240)  # 3 ranks: two adds per element
 
 
-def _hsdp_fp8_worker(rank, world_size, tmp):
+def _hsdp_fp8_worker(rank, world_size, tmp, name="fp8e4m3+ef"):
     """2 replicas x 2 shards, FP8 with error feedback between the replicas: each shard's chunks averaged over the
     replicas as DDP's flat FP8 exchange averages a bucket (both roundings fed back), over three steps; then a resume
     bit-identical only with the residuals of both hops."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    fmt = torch.float8_e4m3fn
+    fmt = WireFormat.parse(name).comm_dtype
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
     def fresh():
@@ -455,12 +460,12 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
             fully_shard(layer, mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
         state = ddp_triton.fsdp.register(model, comm_dtype=torch.float32, accumulate_dtype=None,
-                                         replicate_group=mesh.get_group("replicate"), replicate_comm_dtype=fmt)
+                                         replicate_group=mesh.get_group("replicate"), replicate_comm_dtype=name)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
 
     plain = make_model()
     model, state, opt = fresh()
-    assert state.replica_wire.name == "fp8e4m3+ef"
+    assert state.replica_wire.name == name
     replica, shard_index = divmod(rank, 2)
     shapes = [p.shape for p in plain.parameters()]
     rows = [-(-s[0] // 2) for s in shapes]
@@ -501,11 +506,12 @@ def _hsdp_fp8_worker(rank, world_size, tmp):
     assert [h.kernels.prepared for h in state.replica_hooks if h.calls] == [3, 3, 3]
     assert all(c.kernels.prepared == 0 for c in state.comms)
     saved, _ = resume_needs_the_residuals(rank, world_size, tmp, model, state, opt, fresh, range(3, 5))
-    assert saved["replica_wire_format"] == "fp8e4m3+ef" and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
+    assert saved["replica_wire_format"] == name and sorted(saved["replica_residuals"]) == ["0", "2", "4"]
 
 
-def test_hsdp_fp8_between_replicas_matches_the_reference_and_resumes(tmp_path):
-    torch_path_workers(_hsdp_fp8_worker, 4, str(tmp_path))
+@pytest.mark.parametrize("name", ["fp8e4m3+ef", "fp4e2m1+ef"])
+def test_hsdp_block_scaled_between_replicas_matches_the_reference_and_resumes(name, tmp_path):
+    torch_path_workers(_hsdp_fp8_worker, 4, str(tmp_path), name)
 
 
 def _fp16_sum_worker(rank, world_size):
