@@ -1,8 +1,10 @@
-"""The compiled CPU FP8 passes (``kernels/fp8_cpu.c`` through ``kernels.native_cpu``) against the torch passes.
+"""The compiled CPU passes (``kernels/fp8_cpu.c``, ``kernels/fp4_cpu.c`` through ``kernels.native_cpu``) against the
+torch passes.
 
 Tier: no device, no Triton. The compiled passes serve CPU tensors wherever a C compiler builds them; the torch passes
-(``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format, bucket dtype, scale,
-residual and layout (test_wire_kernels.py compares the cpu_fp8 passes, compiled where they build, with the
+(``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format (FP8's two, E2M1),
+bucket dtype, scale, residual, layout and rank count; E2M1's rows also those of the definition
+(``wire_reference.fp4_rows``) at every value and midpoint, at scales from float32's bottom to its top (test_wire_kernels.py compares the cpu_fp8 passes, compiled where they build, with the
 Triton kernels in the interpreter). The build must never load or write through a file it does not own, and must
 fall back, with a warning, where no compiler or a wrong library is found.
 """
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from bits import assert_same_bits
-from ddp_triton.kernels import cpu_fp8, fp8, native_cpu, torch_wire
+from wire_reference import E2M1_VALUES, fp4_rows
+from ddp_triton.kernels import cpu_fp4, cpu_fp8, fp4, fp8, native_cpu, torch_fp4, torch_wire
 from ddp_triton.kernels.blocks import block_layout
 
 FORMATS = [pytest.param(fp8.E4M3, id="e4m3"), pytest.param(fp8.E5M2, id="e5m2")]
@@ -359,3 +362,188 @@ def test_a_cache_under_a_folder_others_may_write_to_is_not_used(compiled, fresh_
     monkeypatch.setenv("XDG_CACHE_HOME", str(open_to_all / "cache"))
     assert native_cpu.library() is not None
     assert not list((open_to_all / "cache" / "ddp-triton" / "native").iterdir())
+
+
+# ---- E2M1 (kernels/fp4_cpu.c through kernels.cpu_fp4) --------------------------------------------------------------
+
+
+def run_all_fp4(monkeypatch, native, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype):
+    """Quantize, reduce, dequantize (with stats) and sum the blocks of ``received`` through the cpu_fp4 passes,
+    compiled or torch."""
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+    residual = None if residual is None else residual.clone()
+    shard_residual = None if shard_residual is None else shard_residual.clone()
+    rows = torch.full((layout.n_rows * fp4.ROW_BYTES,), 0xAB, dtype=torch.uint8)
+    cpu_fp4.quantize_pass(src, layout, rows, scale, residual)()
+    out = torch.full((layout.rows_per_shard * fp4.ROW_BYTES,), 0xCD, dtype=torch.uint8)
+    cpu_fp4.reduce_pass(received, ranks, out, shard_residual)()
+    dst = torch.empty(layout.n_elements, dtype=dst_dtype)
+    stats = torch.full((2,), 7.0)
+    cpu_fp4.dequantize_pass(rows, layout, dst, stats)()
+    shard_layout = block_layout([layout.rows_per_shard * 128], 1)
+    summed = torch.full((shard_layout.n_elements,), 7.0)
+    cpu_fp4.sum_blocks_pass(received, ranks, shard_layout, summed)()
+    return rows, residual, out, shard_residual, dst, stats, summed
+
+
+def assert_all_same(got, want):
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        elif w.dtype in (torch.uint8, torch.int32):  # rows; float32 bits, NaNs included
+            assert torch.equal(g, w)
+        else:
+            assert_same_bits(g, w)
+
+
+def fp4_received(layout, ranks, seed):
+    """What ``ranks`` ranks sent for one shard: rows quantized by the torch passes from values over float32's range."""
+    shard = layout.rows_per_shard * fp4.ROW_BYTES
+    copies = []
+    for r in range(ranks):
+        copy = torch.empty(layout.n_rows * fp4.ROW_BYTES, dtype=torch.uint8)
+        torch_fp4.quantize_pass(cpu_fp4._self_check_values(layout.n_elements, seed + r), layout, copy, 1.0, None)()
+        copies.append(copy[:shard])
+    return torch.cat(copies)
+
+
+FP4_SIZES = [pytest.param([128 * 40], id="whole-blocks"),
+             pytest.param([128 * 3, 128 * torch_wire.CHUNK_ROWS + 77], id="two-steps-tail"),
+             pytest.param([5], id="one-short-block"),
+             pytest.param([0], id="empty"),
+             pytest.param([2, 3, 5, 7, 11, 13, 127, 131, 257], id="odd-primes"),
+             pytest.param([64, 4096, 64, 300, 0, 129], id="ragged"),
+             pytest.param([77] * 40 + [128 * torch_wire.CHUNK_ROWS], id="ragged-two-steps")]
+FP4_SCALES = pytest.mark.parametrize("scale, with_residual", [(0.25, True), (1.0, True), (0.125, False), (1.0, False)],
+                                     ids=["scaled+ef", "ef", "scaled", "plain"])
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@FP4_SCALES
+@pytest.mark.parametrize("sizes", FP4_SIZES)
+def test_compiled_e2m1_passes_give_the_torch_passes_bits(compiled, monkeypatch, src_dtype, scale, with_residual,
+                                                         sizes):
+    compare_e2m1_passes(monkeypatch, 3, src_dtype, scale, with_residual, sizes)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@FP4_SCALES
+@pytest.mark.parametrize("sizes", FP4_SIZES[2:6])
+def test_compiled_e2m1_passes_give_the_torch_passes_bits_over_other_rank_counts(compiled, monkeypatch, ranks, scale,
+                                                                                 with_residual, sizes):
+    compare_e2m1_passes(monkeypatch, ranks, torch.float32, scale, with_residual, sizes)
+
+
+def compare_e2m1_passes(monkeypatch, ranks, src_dtype, scale, with_residual, sizes):
+    layout = block_layout(sizes, ranks)
+    n = layout.n_elements
+    src = cpu_fp4._self_check_values(n, seed=11).to(src_dtype)
+    residual = cpu_fp4._self_check_values(n, seed=12) * 2.0**-10 if with_residual else None
+    received = fp4_received(layout, ranks, seed=20)
+    shard_residual = (cpu_fp4._self_check_values(layout.rows_per_shard * 128, seed=30) * 2.0**-12
+                      if with_residual else None)
+    dst_dtype = {torch.float32: torch.float32, torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}[src_dtype]
+    got = run_all_fp4(monkeypatch, True, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype)
+    want = run_all_fp4(monkeypatch, False, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype)
+    assert_all_same(got, want)
+
+
+def e2m1_probe_blocks():
+    """Every E2M1 value, every midpoint and one float32 step either side of each, both signs, in groups of 31 probes
+    and their largest value 6, scaled by 2^k from the bottom of float32's range (probes go subnormal) to its top (a
+    group's 4 * 2^126 and 6 * 2^126 overflow when dequantized); then a zero block, a -0 block, a block of
+    subnormals, and blocks with +inf, -inf and NaN in one group each."""
+    values = torch.tensor(E2M1_VALUES)
+    mid = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mid, torch.nextafter(mid, torch.tensor(-1.0)), torch.nextafter(mid, torch.tensor(9.0))])
+    probes = torch.cat([probes, -probes])
+    per_group = fp4.GROUP_ELEMENTS - 1
+    probes = torch.cat([probes, torch.full(((-probes.numel()) % (per_group * 4),), -0.0)]).view(-1, per_group)
+    groups = torch.cat([probes, torch.full((probes.shape[0], 1), 6.0)], dim=1).reshape(-1)
+    blocks = [groups * 2.0**k for k in (-149, -140, -126, -60, -1, 0, 1, 60, 120, 125)]
+    blocks.append(groups * 0.6 * 2.0**126)  # largest 3.6 * 2^126: scale byte 253 (2^126), code 6 overflows to inf
+    special = torch.zeros(6, 128)
+    special[1] = -0.0
+    special[2] = torch.linspace(-1.0, 1.0, 128) * 2.0**-130
+    special[3, 40], special[4, 100], special[5, 3] = float("inf"), float("-inf"), float("nan")
+    return torch.cat(blocks + [special.reshape(-1)])
+
+
+def test_compiled_e2m1_rounds_every_value_and_midpoint_at_every_scale(compiled, monkeypatch):
+    """The rows of the definition (wire_reference.fp4_rows, a search in float64) and the torch passes' residual."""
+    x = e2m1_probe_blocks()
+    sizes = [x.numel() - 200, 200]  # the last block of the first tensor short
+    layout = block_layout(sizes, 1)
+    want_rows, _ = fp4_rows(x + 0.0, sizes)  # what is quantized: x plus the residual, 0 (-0.0 + 0.0 is +0.0)
+    results = {}
+    for native in (True, False):
+        monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+        rows = torch.empty(layout.n_rows * fp4.ROW_BYTES, dtype=torch.uint8)
+        residual = torch.zeros(x.numel())
+        cpu_fp4.quantize_pass(x, layout, rows, 1.0, residual)()
+        results[native] = (rows, residual)
+        assert [bytes(r) for r in rows.view(-1, fp4.ROW_BYTES).tolist()] == want_rows
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1].view(torch.int32), results[False][1].view(torch.int32))
+    assert (results[True][1] == float("-inf")).any(), "a value whose dequantized code overflows: residual -inf"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_compiled_e2m1_decodes_every_code_and_scale_byte(compiled, monkeypatch, ranks):
+    """Rows of random bytes (every code in both nibbles, every scale byte 0-255: 0 scales to zero, 254 and 253
+    overflow, 0xFF is NaN), reduced over ``ranks`` ranks with a residual, dequantized to each dtype with stats and
+    summed: the torch passes' bits; float32 values as the definition decodes them."""
+    g = torch.Generator().manual_seed(ranks)
+    rows_per_rank = 300
+    received = torch.randint(0, 256, (ranks * rows_per_rank * fp4.ROW_BYTES,), generator=g,
+                             dtype=torch.int32).to(torch.uint8)
+    received.view(-1, fp4.ROW_BYTES)[:256, -1] = torch.arange(256, dtype=torch.uint8)  # every scale byte
+    layout = block_layout([(rows_per_rank - 2) * 128 + 78, 50], 1)  # two short blocks
+    results = {}
+    for native in (True, False):
+        monkeypatch.setenv(native_cpu.ENV_SWITCH, "1" if native else "0")
+        out, residual = torch.empty(rows_per_rank * fp4.ROW_BYTES, dtype=torch.uint8), torch.zeros(rows_per_rank * 128)
+        cpu_fp4.reduce_pass(received, ranks, out, residual)()
+        got = [out, residual]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            dst, stats = torch.empty(layout.n_elements, dtype=dtype), torch.empty(2)
+            cpu_fp4.dequantize_pass(received[: layout.n_rows * fp4.ROW_BYTES], layout, dst, stats)()
+            got += [dst, stats]
+        summed = torch.empty(layout.n_elements)
+        cpu_fp4.sum_blocks_pass(received, ranks, layout, summed)()
+        results[native] = got + [summed.view(torch.int32)]  # inf + -inf: the arithmetic's NaN, the same bits
+    assert_all_same(results[True], results[False])
+    # The definition's values, but for scale byte 0 (2^-127, never sent: scales are 2^-126 to 2^126), which every
+    # path decodes as the float32 of bits 0 << 23, zero.
+    codes = received[: rows_per_rank * fp4.ROW_BYTES].view(-1, fp4.ROW_BYTES)
+    nibbles = torch.stack([codes[:, :64] & 15, codes[:, :64] >> 4], dim=2).reshape(-1, 128).long()
+    scale_bytes = codes[:, 64:].long().repeat_interleave(fp4.GROUP_ELEMENTS, dim=1)
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float64)[nibbles & 7]
+    want = torch.where(nibbles >= 8, -magnitudes, magnitudes) * torch.pow(2.0, scale_bytes.double() - 127)
+    want = torch.where(scale_bytes == 0xFF, float("nan"), want.float()).masked_fill_(scale_bytes == 0, 0.0)
+    want = torch.where(nibbles >= 8, -want.abs(), want)
+    assert_same_bits(results[True][2], want.reshape(-1).index_select(0, layout.positions()))
+
+
+def test_compiled_e2m1_library_with_other_bits_is_refused(compiled):
+    """As for FP8: a pass that writes other bits (one that does nothing) is named by the first-use check."""
+    passes = native_cpu.library()["e2m1"]
+    fields = {name: getattr(passes, name) for name in ("quantize", "reduce", "dequantize")}
+    for broken in fields:
+        changed = dict(fields, **{broken: lambda *arguments: None})
+        assert cpu_fp4._disagreement(native_cpu.WirePasses(**changed)) is not None
+    assert cpu_fp4._disagreement(passes) is None
+    assert cpu_fp4.cpu_fp4_passes() == "compiled"
+
+
+def test_off_switch_keeps_the_torch_e2m1_passes(monkeypatch):
+    def refuse():
+        raise AssertionError("the library was asked for")
+
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    monkeypatch.setattr(native_cpu, "library", refuse)
+    layout = block_layout([256], 2)
+    rows = torch.empty(layout.n_rows * fp4.ROW_BYTES, dtype=torch.uint8)
+    cpu_fp4.quantize_pass(torch.randn(256), layout, rows, 0.5, torch.zeros(256))()
+    cpu_fp4.dequantize_pass(rows, layout, torch.empty(256), None)()
+    assert cpu_fp4.cpu_fp4_passes() == "torch"
