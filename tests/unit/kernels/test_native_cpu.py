@@ -2,11 +2,11 @@
 torch passes.
 
 Tier: no device, no Triton. The compiled passes serve CPU tensors wherever a C compiler builds them; the torch passes
-(``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format (FP8's two, E2M1),
-bucket dtype, scale, residual, layout and rank count; E2M1's rows also those of the definition
-(``wire_reference.fp4_rows``) at every value and midpoint, at scales from float32's bottom to its top (test_wire_kernels.py compares the cpu_fp8 passes, compiled where they build, with the
-Triton kernels in the interpreter). The build must never load or write through a file it does not own, and must
-fall back, with a warning, where no compiler or a wrong library is found.
+(``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format (FP8's two, E2M1), bucket
+dtype, scale, residual, layout and rank count; E2M1's rows also those of the definition (``wire_reference.fp4_rows``) at
+every value and midpoint, at scales from float32's bottom to its top (test_wire_kernels.py compares the cpu_fp8 passes,
+compiled where they build, with the Triton kernels in the interpreter). The build must never load or write through a
+file it does not own, and must fall back, with a warning, where no compiler or a wrong library is found.
 """
 
 import os
