@@ -187,7 +187,7 @@ class WireFormat:
 
     @property
     def traffic(self) -> str:
-        """The cost model's class of this format (``TRAFFIC_FORMATS``, or a class of its own): what travels as it does."""
+        """The cost model's class of this format (``TRAFFIC_FORMATS``, or a class of its own): what travels alike."""
         if self.fp32_sum and not self.block_scaled:
             return "bf16+fp32sum"
         return self.dtype.traffic

@@ -2,9 +2,9 @@
 
 - ``all_reduce_exchange``: pack, one all-reduce, unpack (fp32, bf16, fp16; 16 bits with float32 sums over two ranks).
 - ``float32_sum_exchange`` and ``block_fp8_exchange``: the formats whose sum must not be taken in the wire dtype
-  (``formats.py``; the block-scaled one serves FP8 and E2M1 alike). A kernel packs (or quantizes) the bucket into the send buffer, an all-to-all hands each rank the
-  N copies of its shard, a kernel sums them in float32 (and requantizes), an all-gather returns every shard, and a
-  kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
+  (``formats.py``; the block-scaled one serves FP8 and E2M1 alike). A kernel packs (or quantizes) the bucket into
+  the send buffer, an all-to-all hands each rank the N copies of its shard, a kernel sums them in float32 (and
+  requantizes), an all-gather returns every shard, and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
 - ``chunked_fp8_exchange``: the FP8 exchange of a bucket cut into chunks at block boundaries (``chunks.py``), one
   ``block_fp8_exchange`` per chunk: the same blocks, so the same bits.
 
