@@ -26,7 +26,9 @@ dequantize the all-gathered bucket into float32 gradients) against bfloat16 (pac
 it), and bf16 with float32 sums (pack, sum of slices, unpack). ``fp8_over_bf16_cpu`` is FP8's nanoseconds per
 element over bfloat16's: the part of a step the CPU path adds, where the link is what the format is chosen for. The
 FP8 passes are the compiled ones (``kernels/native_cpu.py``) where they build, else torch's (``fp8_cpu_path`` says
-which; ``DDP_TRITON_NATIVE_CPU=0`` times torch's).
+which; ``DDP_TRITON_NATIVE_CPU=0`` times torch's). Beside them, the same three passes in E2M1 with error feedback
+(68-byte rows; ``e2m1_cpu_path``): ``e2m1_over_fp8_cpu`` is their nanoseconds per element over FP8's, in all and
+pass by pass.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ import torch  # noqa: E402
 
 from bench.common import append_results, bench_us, environment, format_table, json_text, save_json  # noqa: E402
 from bench.kernels import copy_ceiling_gbps  # noqa: E402
-from ddp_triton.kernels import (block_layout, dequantize_blocks, quantize_blocks, reduce_blocks,  # noqa: E402
-                                sum_blocks, sum_slices)
+from ddp_triton.kernels import (FP4_E2M1, block_layout, dequantize_blocks, quantize_blocks,  # noqa: E402
+                                reduce_blocks, row_bytes, sum_blocks, sum_slices)
 from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -124,17 +126,38 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
             received, shard, shard_residual),
         "fp8 dequantize": dequantize_blocks.prepare(send, layout, grads, canonical_nan=False).fixed(send, grads, None),
     }
+    # E2M1 with error feedback: the same bucket, residuals and passes in 68-byte rows (its residuals of their own).
+    fp4_bytes = row_bytes(FP4_E2M1)
+    residual4, shard_residual4 = torch.zeros(n), torch.zeros(shard_rows * 128)
+    send4 = torch.empty(layout.n_rows * fp4_bytes, dtype=torch.uint8)
+    quantize_blocks(bucket, layout, send4, 1.0 / ranks, fmt=FP4_E2M1, residual=residual4)
+    received4 = send4[: shard_rows * fp4_bytes].repeat(ranks)
+    shard4 = torch.empty(shard_rows * fp4_bytes, dtype=torch.uint8)
+    passes.update({
+        "e2m1 quantize +ef": quantize_blocks.prepare(bucket, layout, send4, 1.0 / ranks, fmt=FP4_E2M1,
+                                                     residual=residual4).fixed(bucket, send4, residual4),
+        f"e2m1 reduce x{ranks} +ef": reduce_blocks.prepare(received4, ranks, shard4, fmt=FP4_E2M1,
+                                                           residual=shard_residual4).fixed(received4, shard4,
+                                                                                           shard_residual4),
+        "e2m1 dequantize": dequantize_blocks.prepare(send4, layout, grads, fmt=FP4_E2M1, canonical_nan=False).fixed(
+            send4, grads, None),
+    })
     ns = {name: bench_us(fn, cpu, rep_ms=400) * 1e3 / n for name, fn in passes.items()}
     bf16 = ns["bf16 pack"] + ns["bf16 unpack"]
     fp8 = ns["fp8 quantize +ef"] + ns[f"fp8 reduce x{ranks} +ef"] + ns["fp8 dequantize"]
+    e2m1 = ns["e2m1 quantize +ef"] + ns[f"e2m1 reduce x{ranks} +ef"] + ns["e2m1 dequantize"]
     sums = bf16 + ns[f"bf16 sum of slices x{ranks}"]
+    e2m1_over_fp8 = {op: ns[f"e2m1 {op}"] / ns[f"fp8 {op}"]
+                     for op in ("quantize +ef", f"reduce x{ranks} +ef", "dequantize")}
+    from ddp_triton.kernels.cpu_fp4 import cpu_fp4_passes
     from ddp_triton.kernels.cpu_fp8 import cpu_fp8_passes
 
     return {"mb": mb, "ranks": ranks, "elements": n, "threads": torch.get_num_threads(),
-            "fp8_cpu_path": cpu_fp8_passes(),
+            "fp8_cpu_path": cpu_fp8_passes(), "e2m1_cpu_path": cpu_fp4_passes(),
             "ns_per_element": ns,
             "bf16_ns": bf16, "bf16_fp32sum_ns": sums, "fp8_ns": fp8, "fp8_over_bf16_cpu": fp8 / bf16,
-            "bf16_fp32sum_over_bf16_cpu": sums / bf16}
+            "bf16_fp32sum_over_bf16_cpu": sums / bf16, "e2m1_ns": e2m1, "e2m1_over_fp8_cpu": e2m1 / fp8,
+            "e2m1_over_fp8_by_pass": e2m1_over_fp8}
 
 
 def main_cpu(args: argparse.Namespace) -> int:
@@ -155,6 +178,9 @@ def main_cpu(args: argparse.Namespace) -> int:
     print(f"bf16 (pack + unpack) {result['bf16_ns']:.2f} ns, bf16 + fp32 sums {result['bf16_fp32sum_ns']:.2f}, "
           f"FP8 + ef (quantize + reduce + dequantize, {result['fp8_cpu_path']} passes) {result['fp8_ns']:.2f}: "
           f"fp8_over_bf16_cpu {result['fp8_over_bf16_cpu']:.2f}")
+    by_pass = ", ".join(f"{op} {ratio:.2f}" for op, ratio in result["e2m1_over_fp8_by_pass"].items())
+    print(f"E2M1 + ef ({result['e2m1_cpu_path']} passes) {result['e2m1_ns']:.2f} ns: e2m1_over_fp8_cpu "
+          f"{result['e2m1_over_fp8_cpu']:.2f} ({by_pass})")
     return 0
 
 
