@@ -83,9 +83,9 @@ INLINE void quantize_block(const float *values, uint8_t *row, float *left) {
         row[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
-/* One row -> its 128 float32 values: each code times its group's scale; canonical NaN in a group scaled 0xFF (fp4.py's
- * _dequantize_row). */
-INLINE void decode_row(const uint8_t *row, float *values) {
+/* One row -> its 128 float32 values (ADD: added to values, values[i] + value): each code times its group's scale;
+ * canonical NaN in a group scaled 0xFF (fp4.py's _dequantize_row). */
+INLINE void decode_row(const uint8_t *row, float *values, const int ADD) {
     uint8_t codes[BLOCK];
     for (int i = 0; i < CODE_BYTES; i++) {
         codes[2 * i] = row[i] & 15;
@@ -96,9 +96,15 @@ INLINE void decode_row(const uint8_t *row, float *values) {
         float scale = float_of(scale_byte << 23);
         float *v = values + g * GROUP;
         const uint8_t *c = codes + g * GROUP;
-        if (scale_byte == NAN_SCALE)
+        if (scale_byte == NAN_SCALE && ADD)
+            for (int i = 0; i < GROUP; i++)
+                v[i] = v[i] + float_of(CANONICAL_NAN);
+        else if (scale_byte == NAN_SCALE)
             for (int i = 0; i < GROUP; i++)
                 v[i] = float_of(CANONICAL_NAN);
+        else if (ADD)
+            for (int i = 0; i < GROUP; i++)
+                v[i] = v[i] + decode(c[i]) * scale;
         else
             for (int i = 0; i < GROUP; i++)
                 v[i] = decode(c[i]) * scale;
@@ -149,15 +155,12 @@ void ddpt_quantize_e2m1(const float *src, int64_t src_offset, const int64_t *tab
  * after rank in received (+ residual, 128 per row); residual <- what the rounding left out. */
 void ddpt_reduce_e2m1(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, float *residual,
                       uint8_t *out) {
-    float total[BLOCK], part[BLOCK];
+    float total[BLOCK];
     for (int64_t r = 0; r < rows_per_rank; r++) {
         for (int i = 0; i < BLOCK; i++)
             total[i] = 0.0f;  /* +0: a -0 from every rank sums to +0, as in the kernel */
-        for (int64_t k = 0; k < n_ranks; k++) {
-            decode_row(received + (k * rows_per_rank + r) * ROW_BYTES, part);
-            for (int i = 0; i < BLOCK; i++)
-                total[i] = total[i] + part[i];
-        }
+        for (int64_t k = 0; k < n_ranks; k++)
+            decode_row(received + (k * rows_per_rank + r) * ROW_BYTES, total, 1);
         float *block_residual = residual ? residual + r * BLOCK : NULL;
         if (block_residual)
             for (int i = 0; i < BLOCK; i++)
@@ -177,9 +180,9 @@ void ddpt_dequantize_e2m1(const uint8_t *rows, const int64_t *table, int64_t n_r
         int64_t length = table[2 * r + 1];
         float *out = length > 0 ? dst + (table[2 * r] - dst_offset) : dst;
         if (length == BLOCK) {
-            decode_row(rows + r * ROW_BYTES, out);
+            decode_row(rows + r * ROW_BYTES, out, 0);
         } else if (length > 0) {
-            decode_row(rows + r * ROW_BYTES, values);
+            decode_row(rows + r * ROW_BYTES, values, 0);
             memcpy(out, values, (size_t)length * sizeof(float));
         }
     }
