@@ -204,13 +204,12 @@ class HostCost:
 #: The host of a CPU gloo rank (``runtime`` on CPU tensors, the FP8 passes compiled): bench.hook_cost's extra host
 #: time per bucket over DDP without a hook (51.5 us for float32, 162 for bf16 + float32 sums, 147 for FP8: one more
 #: collective each, about 100 us) and bench.wire_kernels --cpu's passes per element (one thread, 25 MiB), both on
-#: an AMD EPYC with 2 cores, torch 2.13 (bench/RESULTS.md, 2026-12-01). E2M1's passes are its torch path (no
-#: compiled CPU path yet): 33 ns an element to quantize, 46 per shard element to reduce 4 ranks, 9 to dequantize
-#: (bench/RESULTS.md, H22, torch 2.14), 53 per bucket element at 4 ranks.
+#: an AMD EPYC with 2 cores, torch 2.13 (bench/RESULTS.md, 2026-12-01). E2M1's compiled passes took 0.97-1.00x
+#: FP8's in the same runs (bench/RESULTS.md, H24, torch 2.14): FP8's figure.
 CPU_HOST_COST = HostCost(
     bucket_us=51.5, collective_us=100.0,
     ns_per_element=(("fp32", 0.12), ("bf16", 0.35), ("fp16", 0.35), ("bf16+fp32sum", 0.55), ("fp8", 0.83),
-                    ("fp4e2m1", 53.0)),
+                    ("fp4e2m1", 0.83)),
     two_level_ns_per_element=0.25, cuts_buckets=True,
     source="CPU ranks on gloo: bench.hook_cost and bench.wire_kernels --cpu, AMD EPYC, 2026-12-01")
 
