@@ -353,21 +353,25 @@ def test_host_benchmark_smoke():
         key = row["key"]
         assert timed(row["us"]) and data[f"{key}_us"] == row["us"], key
         assert data[f"{key}_ratio"] == row["ratio"] == row["us"] / data["torch_op_us"], key
-    assert set(data["targets"]) == {"fixed_ratio"}
+    assert data["targets"] == {"fixed_ratio": 1.0, "pack_1_ratio": 2.0, "pack_148_ratio": 20.0,
+                               "unpack_148_ratio": 20.0}
 
 
 def test_wire_kernels_cpu_mode_smoke(tmp_path):
     data = run_json(["bench.wire_kernels", "--cpu", "--mb", "0.25", "--ranks", "3", "--out-dir", str(tmp_path)])
     assert data["ranks"] == 3 and data["threads"] == 1 and data["fp8_cpu_path"] in ("compiled", "torch")
+    assert data["e2m1_cpu_path"] in ("compiled", "torch")
     ns = data["ns_per_element"]
     assert set(ns) == {"bf16 pack", "bf16 unpack", "bf16 sum of slices x3", "fp8 quantize +ef", "fp8 reduce x3 +ef",
-                       "fp8 dequantize"}
+                       "fp8 dequantize", "e2m1 quantize +ef", "e2m1 reduce x3 +ef", "e2m1 dequantize"}
     assert all(timed(v) for v in ns.values()), ns
     # each format's total is the sum of its passes, and the ratios are of those totals
     assert data["bf16_ns"] == ns["bf16 pack"] + ns["bf16 unpack"]
     assert data["bf16_fp32sum_ns"] == data["bf16_ns"] + ns["bf16 sum of slices x3"]
     assert data["fp8_ns"] == ns["fp8 quantize +ef"] + ns["fp8 reduce x3 +ef"] + ns["fp8 dequantize"]
     assert data["fp8_over_bf16_cpu"] == data["fp8_ns"] / data["bf16_ns"]
+    assert data["e2m1_ns"] == ns["e2m1 quantize +ef"] + ns["e2m1 reduce x3 +ef"] + ns["e2m1 dequantize"]
+    assert data["e2m1_over_fp8_cpu"] == data["e2m1_ns"] / data["fp8_ns"]
     assert data["bf16_fp32sum_over_bf16_cpu"] == data["bf16_fp32sum_ns"] / data["bf16_ns"]
     assert data["elements"] == int(0.25 * (1 << 20)) // 4
 

@@ -79,7 +79,7 @@ CASES: Dict[str, Callable[[World], Any]] = {
                                                                            profile=w.no_formats),
     "reattach-without-hook": lambda w: ddp_triton.reattach(w.ddp),
     # CommState's options
-    "comm-dtype-string": lambda w: ddp_triton.CommState(comm_dtype="bf16"),
+    "comm-dtype-string": lambda w: ddp_triton.CommState(comm_dtype="fastest"),
     "comm-dtype-int8": lambda w: ddp_triton.CommState(comm_dtype=torch.int8),
     "accumulate-float16": lambda w: ddp_triton.CommState(accumulate_dtype=torch.float16),
     "error-feedback-bf16": lambda w: ddp_triton.CommState(error_feedback=True),

@@ -242,7 +242,7 @@ def test_no_profile_with_formats_falls_back_to_bf16_and_disagreeing_ranks_fail_t
     (dict(comm_dtype="auto", profile=None), "profile='auto'"),
     (dict(comm_dtype="auto", accumulate_dtype=torch.float32), "leave accumulate_dtype unset"),
     (dict(comm_dtype="auto", hierarchical=True), "leave hierarchical unset"),
-    (dict(comm_dtype="fastest"), "torch dtype or 'auto'"),
+    (dict(comm_dtype="fastest"), "comm_dtype: unknown wire format 'fastest'; known: fp32, "),
 ])
 def test_auto_options_that_cannot_be_are_refused_by_name(options, match):
     from ddp_triton.runtime.state import check_options
