@@ -119,7 +119,10 @@ if _triton.AVAILABLE:
     def _store_row(words, code_words, scale_words, BLOCK: tl.constexpr, GROUP: tl.constexpr):
         """One row's code words, then its scale words, as whole 32-bit words."""
         tl.store(words + tl.arange(0, BLOCK // 8), code_words)
-        tl.store(words + BLOCK // 8 + tl.arange(0, BLOCK // GROUP // 4), scale_words)
+        if BLOCK // GROUP // 4 == 1:  # one scale word: Triton 3.0's interpreter stores a [1] block as two words
+            tl.store(words + BLOCK // 8, tl.sum(scale_words, axis=0))
+        else:
+            tl.store(words + BLOCK // 8 + tl.arange(0, BLOCK // GROUP // 4), scale_words)
 
     @triton.jit
     def _quantize_blocks_kernel(src, table, residual, words, scale,

@@ -223,6 +223,22 @@ def received_rows(sizes, layout, n_ranks, shard=0):
     return received
 
 
+def test_rows_are_written_within_their_bytes():
+    """Quantize and reduce write whole rows and nothing past the last: bytes after it keep their value. (Triton 3.0's
+    interpreter stored a row's one scale word twice, the second past the row: heap corruption at the buffer's end.)"""
+    sizes = [131]
+    layout = block_layout(sizes, 1)
+    n = layout.n_rows * fp4.ROW_BYTES
+    x = gradient_like(sizes)
+    guarded = torch.full((n + 64,), 0xAB, dtype=torch.uint8)
+    blockscale.quantize_blocks(x, layout, guarded[:n], 0.25, fmt=FMT)
+    assert (guarded[n:] == 0xAB).all(), "quantize wrote past its rows"
+    received = guarded[:n].clone()
+    shard = torch.full((n + 64,), 0xAB, dtype=torch.uint8)
+    blockscale.reduce_blocks(received, 1, shard[:n], fmt=FMT)
+    assert (shard[n:] == 0xAB).all(), "reduce wrote past its rows"
+
+
 @pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("residual", [False, True], ids=["no-ef", "ef"])
 def test_reduce_sums_in_rank_order_and_requantizes(n_ranks, residual):
