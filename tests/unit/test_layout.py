@@ -64,8 +64,8 @@ def _graph():
     # `kernels` as the checkout has it (installed as ddp_triton.kernels), not Hugging Face's package of that name,
     # which Transformers imports when it is installed (the integration tier runs before this one).
     ours = REPO / "kernels"
-    foreign = {name: module for name, module in sys.modules.items()
-               if name.split(".")[0] == "kernels" and ours not in Path(getattr(module, "__file__", None) or "/").parents}
+    foreign = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "kernels"
+               and ours not in Path(getattr(module, "__file__", None) or "/").parents}
     for name in foreign:
         del sys.modules[name]
     sys.path.insert(0, str(REPO))
