@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import time
 
@@ -126,6 +127,8 @@ def main() -> None:
         if state is not None:  # buckets, bytes on the wire per step against float32, algorithm per bucket
             print(state.summary().headline(), flush=True)
     dist.barrier()
+    del ddp_model, optimizer, state
+    gc.collect()  # gloo's threads end with their group, not at the process's exit (docs/troubleshooting.md)
     dist.destroy_process_group()
 
 
