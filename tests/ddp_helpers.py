@@ -7,6 +7,7 @@ trains on rows [r * BATCH/N, (r + 1) * BATCH/N), so N ranks together see the bat
 """
 
 import copy
+import re
 
 import torch
 import torch.nn as nn
@@ -130,3 +131,22 @@ SPLIT_BYTES = 4096  # buckets of up to 4 KiB on the wire take "tree", larger one
 def two_range_profile(world_size, comm_dtype="float32", split=SPLIT_BYTES):
     return Profile(source="model", backend="model", world_size=world_size, nodes=1, comm_dtype=comm_dtype,
                    bucket_cap_mb=1.0, table=[TableEntry(0, split, "tree"), TableEntry(split + 1, None, "ring")])
+
+
+#: How a collective's failure names a lost peer (collective_errors.py's words).
+LOST_PEER = "failed: the connection to a peer was lost, so a peer is gone"
+
+
+def peer_death_problem(who, step, seconds, message, told, kill_at, fail_seconds):
+    """What is wrong with a survivor's report after its peer died at step ``kill_at``, or None: it must fail at that
+    step or the next (``step`` None: it trained on alone), within ``fail_seconds``, with a message matching ``told``.
+    ``who`` names the survivor (and its case) in the problem."""
+    if step is None:
+        return f"{who}: trained on alone after its peer died"
+    if not kill_at <= step <= kill_at + 1:
+        return f"{who}: failed at step {step}, the peer died at {kill_at}: {message}"
+    if not seconds < fail_seconds:
+        return f"{who}: failed {seconds:.1f} s after its peer died"
+    if not re.search(told, message, re.DOTALL):
+        return f"{who}: unclear message {message!r}"
+    return None

@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_triton
 from ddp_triton.runtime.chunks import CHUNK_BYTES_ENV
 from ddp_triton.runtime.exchange import ChunkedExchange
+from ddp_helpers import LOST_PEER, peer_death_problem
 from dist_utils import WorkerError, call_as_the_test_left_off, run_workers, snapshot, start, worker_context
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +94,6 @@ KILL_AT_STEP = 3
 FAIL_SECONDS = 15
 GROUP_TIMEOUT = timedelta(seconds=60)
 PROBE_TIMEOUT = timedelta(seconds=30)  # a probe that hangs (one rank refused it, the others wait) ends here
-LOST_PEER = "failed: the connection to a peer was lost, so a peer is gone"
 DEATH_LAYOUTS = {"2-ranks": (2, FLAT), "2x2-nodes": (2 * LOCAL, TWO_LEVEL)}
 
 
@@ -553,14 +553,9 @@ def check_peer_death(run: Deaths, case: Case) -> None:
             problems.append(f"rank {rank}: no report")
             continue
         _, step, seconds, message = report
-        if step is None:
-            problems.append(f"rank {rank}: trained on alone after its peer died")
-        elif not KILL_AT_STEP <= step <= KILL_AT_STEP + 1:
-            problems.append(f"rank {rank}: failed at step {step}, the peer died at {KILL_AT_STEP}: {message}")
-        elif not seconds < FAIL_SECONDS:
-            problems.append(f"rank {rank}: failed {seconds:.1f} s after its peer died")
-        elif not re.search(told, message, re.DOTALL):
-            problems.append(f"rank {rank}: unclear message {message!r}")
+        problem = peer_death_problem(f"rank {rank}", step, seconds, message, told, KILL_AT_STEP, FAIL_SECONDS)
+        if problem is not None:
+            problems.append(problem)
     assert not problems, "\n".join(problems)
 
 

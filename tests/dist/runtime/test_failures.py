@@ -33,6 +33,7 @@ from ddp_triton.runtime.collective_errors import collective_error
 from ddp_triton.runtime.exchange import ExchangeQueue, Stage, StagedExchange
 from ddp_triton.runtime.plan import Plan
 from ddp_triton.runtime.telemetry import BucketRecord
+from ddp_helpers import LOST_PEER, peer_death_problem
 from dist_utils import call_as_the_test_left_off, snapshot, start, worker_context
 
 KILL_AT_STEP = 10
@@ -43,7 +44,6 @@ FAIL_SECONDS = 15
 GROUP_TIMEOUT = timedelta(seconds=60)
 # The whole run, process starts (imports of torch, Triton, DDP's dynamo) included, on a loaded 2-core machine.
 RUN_SECONDS = 300
-LOST_PEER = "failed: the connection to a peer was lost, so a peer is gone"
 
 
 class _Work:
@@ -273,12 +273,8 @@ def test_survivors_stop_with_a_clear_message_when_a_peer_is_killed(world_size, d
             carried = rf"the gradients of FSDP module .+ \({re.escape(name)} wire\)"
         told = (rf"ddp_triton: (all_reduce|all_to_all|all_gather|reduce_scatter)( between nodes)? of {carried} "
                 rf"{re.escape(LOST_PEER)}.*The backend said: .*(peer|Connection)")
-        if step is None:
-            problems.append(f"rank {rank}, {kind} {name}: trained on alone after its peer died")
-        elif not KILL_AT_STEP <= step <= KILL_AT_STEP + 1:
-            problems.append(f"rank {rank}, {kind} {name}: failed at step {step}, the peer died at {KILL_AT_STEP}")
-        elif not seconds < FAIL_SECONDS:
-            problems.append(f"rank {rank}, {kind} {name}: failed {seconds:.1f} s after its peer died")
-        elif not re.search(told, message, re.DOTALL):
-            problems.append(f"rank {rank}, {kind} {name}: unclear message {message!r}")
+        problem = peer_death_problem(f"rank {rank}, {kind} {name}", step, seconds, message, told, KILL_AT_STEP,
+                                     FAIL_SECONDS)
+        if problem is not None:
+            problems.append(problem)
     assert not problems, "\n".join(problems)
