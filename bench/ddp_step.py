@@ -156,6 +156,13 @@ def register(ddp: DDP, variant: str, notes: List[str]) -> Optional[Callable[[], 
     elif variant == "triton_hook_fp8_2level_whole":  # the same, each bucket in one piece (no chunks)
         with scoped_env({CHUNK_BYTES_ENV: "0"}):
             ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn, hierarchical=True)
+    elif variant == "triton_hook_fp4":  # block-scaled 4-bit E2M1 with error feedback
+        ddp_triton.register(ddp, comm_dtype="fp4e2m1+ef")
+    elif variant == "triton_hook_fp4_2level":  # reduced in the node in float32, E2M1 + error feedback between nodes
+        ddp_triton.register(ddp, comm_dtype="fp4e2m1+ef", hierarchical=True)
+    elif variant == "triton_hook_fp4_2level_whole":
+        with scoped_env({CHUNK_BYTES_ENV: "0"}):
+            ddp_triton.register(ddp, comm_dtype="fp4e2m1+ef", hierarchical=True)
     elif variant == "triton_hook_fp8_whole":  # flat FP8 + error feedback, each bucket in one piece
         with scoped_env({CHUNK_BYTES_ENV: "0"}):
             ddp_triton.register(ddp, comm_dtype=torch.float8_e4m3fn)

@@ -17,9 +17,11 @@ Models:
 
 Formats (``ddp_triton.register(ddp, profile=None, ...)`` with): ``fp32`` (comm_dtype=float32: one float32
 all-reduce), ``bf16`` (one bf16 all-reduce), ``bf16+fp32sum`` (accumulate_dtype=float32), ``fp8e4m3+ef``
-(float8_e4m3fn, error feedback on) and ``fp8e4m3`` (error_feedback=False), the two-level forms; and FSDP2
+(float8_e4m3fn, error feedback on) and ``fp8e4m3`` (error_feedback=False), ``fp4e2m1+ef`` and ``fp4e2m1`` (4-bit
+E2M1, with and without error feedback), the two-level forms; and FSDP2
 (``fully_shard`` on the whole model, ``FSDP_FORMATS``): its float32 and ``reduce_dtype=torch.bfloat16``
-reduce-scatters, and ours through ``ddp_triton.fsdp.register`` (bf16 with float32 sums, FP8 with error feedback).
+reduce-scatters, and ours through ``ddp_triton.fsdp.register`` (bf16 with float32 sums, FP8 and E2M1 with error
+feedback).
 Each run starts from the same weights (``torch.manual_seed``) and sees the same batches (drawn from a generator
 seeded by step and rank), so the runs differ only by what the wire does to the gradients.
 
@@ -67,7 +69,7 @@ from examples.train import synthetic_dataset  # noqa: E402
 FORMATS: Dict[str, Dict[str, Any]] = {
     name: WireFormat.parse(name).options() for name in
     ("fp32", "bf16", "bf16+fp32sum", "fp8e4m3+ef", "fp8e4m3", "two-level bf16", "two-level bf16+fp32sum",
-     "two-level fp8e4m3+ef")}
+     "two-level fp8e4m3+ef", "fp4e2m1+ef", "fp4e2m1", "two-level fp4e2m1+ef")}
 #: FSDP2 instead of DDP (``fully_shard`` on the model; the same data, weights and optimizer): its own float32 and
 #: ``reduce_dtype=torch.bfloat16`` reduce-scatters, and ours (``ddp_triton.fsdp.register`` with these options).
 FSDP_FORMATS: Dict[str, Optional[Dict[str, Any]]] = {
@@ -75,10 +77,12 @@ FSDP_FORMATS: Dict[str, Optional[Dict[str, Any]]] = {
     "fsdp bf16 reduce_dtype": None,
     "fsdp bf16+fp32sum": WireFormat.parse("bf16+fp32sum").options(),
     "fsdp fp8e4m3+ef": WireFormat.parse("fp8e4m3+ef").options(),
+    "fsdp fp4e2m1+ef": WireFormat.parse("fp4e2m1+ef").options(),
 }
 #: The targets: final loss within this fraction of fp32's (DDP's fp32 run).
 TARGETS = {"bf16+fp32sum": 0.005, "fp8e4m3+ef": 0.02, "two-level bf16+fp32sum": 0.005, "two-level fp8e4m3+ef": 0.02,
-           "fsdp bf16+fp32sum": 0.005, "fsdp fp8e4m3+ef": 0.02}
+           "fsdp bf16+fp32sum": 0.005, "fsdp fp8e4m3+ef": 0.02, "fp4e2m1+ef": 0.01, "two-level fp4e2m1+ef": 0.01,
+           "fsdp fp4e2m1+ef": 0.01}
 
 #: A fixed selection of the standard library's own sources (present in every CPython 3.9+), 215 KB on 3.11.
 CORPUS_FILES = ("argparse.py", "textwrap.py", "shlex.py", "string.py", "fnmatch.py", "heapq.py", "bisect.py",
