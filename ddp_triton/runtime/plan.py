@@ -149,14 +149,15 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context, format_name: Op
         raise ValueError(f"an FP8 wire format needs the bucket's parameters, got {len(params)} covering "
                          f"{sum(sizes)} of {buffer.numel()} elements")
     residuals, algorithm, queue = None, None, ctx.queue
+    record = BucketRecord(index, wire.name)  # a staged exchange's: its bytes and collectives once it is built
     if wire.two_level:
         if ctx.nodes is None:
             raise ValueError("a two-level wire format needs the node groups (NodeGroups) it runs on")
         chunks = chunk_count(buffer.numel(), buffer.element_size(), wire, ctx.nodes.local_size, ctx.nodes.n_nodes,
                              buffer.is_cuda, ctx.chunk_bytes, ctx.nodes.reduce_scatter)
-        exchange, residuals, pass_bytes = two_level_exchange(buffer, ids, sizes, wire, ctx.nodes, ctx.group, pre,
-                                                             post, stats, ctx.residuals, chunks)
-        record = BucketRecord(index, wire.name, pass_bytes, _collectives(exchange))
+        exchange, residuals, record.pass_bytes = two_level_exchange(buffer, ids, sizes, wire, ctx.nodes, ctx.group,
+                                                                    pre, post, stats, ctx.residuals, chunks, record)
+        record.collectives_per_pass = _collectives(exchange)
     elif wire.sharded and not wire.one_all_reduce(ctx.world_size):
         if wire.block_scaled:
             chunks = chunk_count(buffer.numel(), buffer.element_size(), wire, 1, ctx.world_size, buffer.is_cuda,
@@ -166,17 +167,18 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context, format_name: Op
                 residuals = ctx.residuals.for_layout(ids, sizes, layouts, ctx.group, buffer.device)
             if len(layouts) == 1:
                 exchange = block_fp8_exchange(buffer, wire, layouts[0], ctx.group, ctx.world_size, pre,
-                                              residuals.chunk_residuals()[0] if residuals is not None else None, stats)
+                                              residuals.chunk_residuals()[0] if residuals is not None else None, stats,
+                                              record=record)
             else:
                 exchange = chunked_fp8_exchange(buffer, wire, offsets, layouts, ctx.group, ctx.world_size, pre,
-                                                residuals, stats)
+                                                residuals, stats, record)
         else:
             exchange = float32_sum_exchange(buffer, wire, ctx.group, ctx.world_size, pre, post, stats)
         # The all-to-all is handed the whole send buffer, the all-gather this rank's shard: together what a ring
         # all-reduce of the send buffer sends, so the bucket counts as one message of the send buffer's size.
         chunked = exchange.chunks if isinstance(exchange, ChunkedExchange) else [exchange]
-        record = BucketRecord(index, wire.name, {wire.name: sum(_bytes(c.send) for c in chunked)},
-                              _collectives(exchange))
+        record.pass_bytes = {wire.name: sum(_bytes(c.send) for c in chunked)}
+        record.collectives_per_pass = _collectives(exchange)
     else:
         exchange, record, algorithm = _all_reduce(buffer, index, wire, ctx, pre, post, stats)
         queue = ctx.queue if ctx.queue_all else None

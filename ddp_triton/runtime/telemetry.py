@@ -22,6 +22,11 @@ Three pieces, each costing nothing a step does not need:
   ``host perf_counter`` (the communication time then includes the wait for gloo's thread to run the callback).
   A phase that runs more than once in a pass (a bucket cut into chunks, a stage name two stages share) is timed
   from its first start to its last end: the span the bucket spent in it.
+- **Rounding**, for the block-scaled formats (FP8, E2M1): on a bucket's first pass and every ``ROUNDING_EVERY``-th
+  after, its exchange measures what its quantization lost (``RoundingSample``): the norm of the rounding of what
+  this rank sent, against the norm of what it meant to send (its gradients' share plus what error feedback owed),
+  and the norm of what error feedback owes after it. One dequantize and three dot products of the bucket on the
+  sampled passes, kept on the device; ``summary()`` reads them.
 
 A bucket path of its own (another wire format) plugs in the same way as the hook's (``plan.py``): it gives its
 ``BucketRecord`` the format's name and bytes per pass when it binds and counts ``passes`` when it sends; ``watch``
@@ -46,6 +51,9 @@ HOST_CLOCK = "host perf_counter"
 
 #: What ends the name of bytes that stay inside a node (a two-level exchange's reduce-scatter and all-gather).
 IN_NODE = " (node)"
+
+#: A block-scaled bucket measures its rounding on its first pass and then every this many passes.
+ROUNDING_EVERY = 64
 
 
 def human_bytes(n: float) -> str:
@@ -80,6 +88,8 @@ class BucketRecord:
     """CUDA_EVENTS or HOST_CLOCK once timed; None before."""
     labels: Dict[str, str] = field(default_factory=dict, repr=False)
     """Profiler range names per phase, made once."""
+    rounding: List["RoundingSample"] = field(default_factory=list, repr=False)
+    """Block-scaled formats: what each of the bucket's quantizations (one per chunk) measured of its rounding."""
 
     @property
     def sent_bytes(self) -> Dict[str, int]:
@@ -96,6 +106,23 @@ class BucketRecord:
         if name is None:
             name = self.labels[phase] = f"ddp_triton.{phase} bucket {self.index} ({human_bytes(bucket_bytes)})"
         return name
+
+
+class RoundingSample:
+    """What one block-scaled quantization (a bucket's, or one chunk's) lost, measured on a sampled pass: float32
+    ``sums`` = [squared norm of the rounding, of what was meant to be sent, of what error feedback owes after it],
+    on the bucket's device, and the state's pass they were measured in (from 1; 0: not yet)."""
+
+    __slots__ = ("sums", "at_pass")
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float32, device=device)
+        self.at_pass = 0
+
+    @staticmethod
+    def due(passes: int) -> bool:
+        """Whether a bucket's ``passes``-th pass measures its rounding: the first, then every ``ROUNDING_EVERY``."""
+        return passes % ROUNDING_EVERY == 1 or ROUNDING_EVERY == 1
 
 
 def wire_name(dtype: torch.dtype) -> str:
@@ -233,6 +260,16 @@ class BucketSummary:
     comm_ms: Optional[float] = None
     unpack_ms: Optional[float] = None
     """Timings of the latest pass (``timing=True``); None without."""
+    rounding_error: Optional[float] = None
+    """Block-scaled formats: the norm of what this rank's quantization lost, over the norm of what it meant to send
+    (its share of the gradients plus what error feedback owed), at pass ``rounding_pass``; None for other formats."""
+    residual_norm: Optional[float] = None
+    """With error feedback: the norm of what it owes after that pass (both stages, this rank's), over the same norm."""
+    residual_bytes: Optional[int] = None
+    """With error feedback: the memory of this rank's residuals of the bucket (float32)."""
+    rounding_pass: Optional[int] = None
+    """The state's pass (from 1) the rounding was measured in: the bucket's first, then its every
+    ``ROUNDING_EVERY``-th."""
 
     @property
     def sent(self) -> int:
@@ -284,15 +321,22 @@ class Summary:
 
     def __str__(self) -> str:
         timed = self.clock is not None
+        rounded = any(b.rounding_pass is not None for b in self.buckets)
         headers = ["bucket", "dtype", "bucket bytes", "wire format", "on the wire (last pass)", "algorithm"]
         if timed:
             headers += ["pack ms", "comm ms", "unpack ms"]
+        if rounded:
+            headers += ["rounding (rel.)", "residual (rel.)", "residual memory", "measured at pass"]
         rows = []
         for b in self.buckets:
             wire = ", ".join(f"{human_bytes(n)} {fmt}" for fmt, n in b.wire_bytes.items()) or "-"
             row = [str(b.index), b.dtype, human_bytes(b.bucket_bytes), b.wire_format, wire, b.algorithm]
             if timed:
                 row += [_ms(b.pack_ms), _ms(b.comm_ms), _ms(b.unpack_ms)]
+            if rounded:
+                row += [_rel(b.rounding_error), _rel(b.residual_norm),
+                        "-" if b.residual_bytes is None else human_bytes(b.residual_bytes),
+                        "-" if b.rounding_pass is None else str(b.rounding_pass)]
             rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
@@ -302,11 +346,19 @@ class Summary:
             lines.append(f"timings of the latest pass, by {self.clock}"
                          + (" (CPU tensors: no CUDA events; comm includes gloo's callback wait)"
                             if self.clock == HOST_CLOCK else ""))
+        if rounded:
+            lines.append(f"rounding: what this rank's quantization lost, over what it meant to send (its gradients' "
+                         f"share and what error feedback owed); residual: what error feedback owes after it; "
+                         f"measured on a bucket's first pass and every {ROUNDING_EVERY}th")
         return "\n".join(lines)
 
 
 def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _rel(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def elapsed_ms(marks: Optional[list]) -> Optional[float]:
@@ -329,6 +381,7 @@ def summarize(entries: List[Any], *, passes: int, world_size: Optional[int], bac
         record: BucketRecord = e.record
         algorithm = e.algorithm or ("NCCL's choice" if backend == "nccl" else (backend or "-"))
         timed = record.clock is not None and timing
+        rounding = _rounding(record.rounding, getattr(e, "residuals", None))
         rows.append(BucketSummary(
             index=record.index, dtype=wire_name(e.buffer.dtype), elements=e.buffer.numel(),
             bucket_bytes=e.buffer.numel() * e.buffer.element_size(), wire_format=record.wire_format,
@@ -337,8 +390,23 @@ def summarize(entries: List[Any], *, passes: int, world_size: Optional[int], bac
             pack_ms=elapsed_ms(record.marks.get("pack")) if timed else None,
             comm_ms=elapsed_ms(record.marks.get("comm")) if timed else None,
             unpack_ms=elapsed_ms(record.marks.get("unpack")) if timed else None,
+            **rounding,
         ))
     clocks = {e.record.clock for e in entries if e.record.clock is not None}
     clock = (clocks.pop() if len(clocks) == 1 else "mixed") if clocks and timing else None
     return Summary(buckets=rows, passes=passes, world_size=world_size, backend=backend, clock=clock)
 
+
+def _rounding(samples: List[RoundingSample], residuals: Any) -> Dict[str, Any]:
+    """A bucket's rounding fields of its summary from its chunks' samples of their latest measured pass (waits for
+    them on CUDA: only ``summary`` calls this); none before a measured pass, or for a format without blocks."""
+    at_pass = max((s.at_pass for s in samples), default=0)
+    if not at_pass:
+        return {}
+    lost, meant, owed = torch.stack([s.sums for s in samples if s.at_pass == at_pass]).sum(0).tolist()
+    scale = meant ** 0.5
+    out: Dict[str, Any] = {"rounding_error": (lost ** 0.5 / scale) if scale > 0 else 0.0, "rounding_pass": at_pass}
+    if residuals is not None:
+        out["residual_norm"] = (owed ** 0.5 / scale) if scale > 0 else 0.0
+        out["residual_bytes"] = residuals.first.numel() * 4 + residuals.second.numel() * 4
+    return out

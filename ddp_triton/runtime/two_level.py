@@ -42,12 +42,13 @@ from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
 from .wire_exchanges import ShardedExchange, all_gather_into, block_fp8_exchange, float32_sum_exchange
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
-from .telemetry import IN_NODE, wire_name
+from .telemetry import IN_NODE, BucketRecord, wire_name
 
 
 def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tuple[int, ...], wire: WireFormat,
                        nodes: NodeGroups, group: Any, pre_scale: float, post_scale: float,
-                       stats: Optional[torch.Tensor], store: ResidualStore, chunks: int = 1
+                       stats: Optional[torch.Tensor], store: ResidualStore, chunks: int = 1,
+                       record: Optional[BucketRecord] = None
                        ) -> Tuple[Union[StagedExchange, ChunkedExchange], Optional[LayoutResiduals], Dict[str, int]]:
     """Bind ``buffer``'s two-level exchange, cut into at most ``chunks`` chunks (``chunks.py``): the exchange (one
     StagedExchange, or one per chunk), the FP8 residuals (or None) and the bytes each pass hands to the collectives
@@ -55,7 +56,8 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
 
     ``params``/``sizes``: the bucket's parameters (ids) and their element counts, in bucket order (FP8 only).
     ``group``: the whole averaging group (the residuals' re-slice runs on it). Collective for FP8 with error
-    feedback when residuals move from an earlier layout.
+    feedback when residuals move from an earlier layout. ``record``: the bucket's, where a block-scaled cross hop
+    measures its rounding.
     """
     n, local, me = buffer.numel(), nodes.local_size, nodes.local_index
     part = two_level_part(n, local)
@@ -91,7 +93,7 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
         chunk_stats = [stats] * len(calls[k]) if rows is None else [rows[row + i] for i in range(len(calls[k]))]
         row += len(calls[k])
         built.append(_chunk(buffer, send_k, shard_k, calls[k], chunk_stats, wire, nodes, pre_scale, post_scale,
-                            mine[k + 1] - mine[k], layouts[k], per_chunk[k]))
+                            mine[k + 1] - mine[k], layouts[k], per_chunk[k], record))
     node_bytes = send.numel() * send.element_size()
     pass_bytes = {wire_name(buffer.dtype) + IN_NODE: node_bytes, wire.flat().name: sum(b for _, _, b in built)}
     if len(built) == 1:
@@ -128,8 +130,8 @@ def _calls(pieces: Sequence[Tuple[int, int, int]]) -> List[Tuple[int, int, List[
 def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
            calls: Sequence[Tuple[int, int, List[Tuple[int, int]]]], stats: Sequence[Optional[torch.Tensor]],
            wire: WireFormat, nodes: NodeGroups, pre_scale: float, post_scale: float, length: int,
-           layout: Optional[BlockLayout], residual: Optional[Tuple[torch.Tensor, torch.Tensor]]
-           ) -> Tuple[StagedExchange, Tuple[torch.Tensor, ...], int]:
+           layout: Optional[BlockLayout], residual: Optional[Tuple[torch.Tensor, torch.Tensor]],
+           record: Optional[BucketRecord] = None) -> Tuple[StagedExchange, Tuple[torch.Tensor, ...], int]:
     """One chunk's two-level exchange, over its ``send`` buffer (L slots) and this rank's ``shard`` of it (its
     piece: ``length`` elements, then zeros): the exchange, the buffers its cross exchange holds, and the bytes it
     hands the cross exchange."""
@@ -158,7 +160,8 @@ def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
         cross_stages, cross_finish, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale)
     else:
         cross: ShardedExchange = (
-            block_fp8_exchange(shard[:length], wire.flat(), layout, cross_group, nodes.n_nodes, 1.0, residual, None)
+            block_fp8_exchange(shard[:length], wire.flat(), layout, cross_group, nodes.n_nodes, 1.0, residual, None,
+                               record=record)
             if layout is not None else
             float32_sum_exchange(shard, wire.flat(), cross_group, nodes.n_nodes, 1.0, post_scale, None))
         cross_stages = [stage._replace(compute_phase="cross_" + stage.compute_phase,

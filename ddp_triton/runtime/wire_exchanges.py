@@ -29,6 +29,7 @@ from .chunks import boundaries, cuts, pieces_within
 from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
 from .prepared_calls import PreparedCalls
 from .residuals import LayoutResiduals
+from .telemetry import BucketRecord, RoundingSample
 
 # torch >= 2.12 names the all-gather into one tensor all_gather_single; older releases all_gather_into_tensor.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -108,13 +109,15 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
 
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
                        pre_scale: float, residual: Optional[Tuple[torch.Tensor, torch.Tensor]],
-                       stats: Optional[torch.Tensor], prepared: Optional[PreparedCalls] = None) -> ShardedExchange:
+                       stats: Optional[torch.Tensor], prepared: Optional[PreparedCalls] = None,
+                       record: Optional[BucketRecord] = None) -> ShardedExchange:
     """Block-scaled FP8 or E2M1 (``wire.comm_dtype`` is the passes' ``fmt``, its rows ``kernels.row_bytes(fmt)``
     bytes): quantize (with error feedback: ``residual``, the first and second stages it adds and keeps,
     ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize. With
-    ``prepared``, its kernels are the calls kept there (no ``stats`` then)."""
-    if prepared is not None and stats is not None:
-        raise ValueError("an exchange through prepared calls takes no statistics")
+    ``prepared``, its kernels are the calls kept there (no ``stats`` then). With ``record`` (a DDP bucket's), the
+    quantize measures its rounding on the bucket's sampled passes, into a sample of its own in the record's list."""
+    if prepared is not None and (stats is not None or record is not None):
+        raise ValueError("an exchange through prepared calls takes no statistics and measures no rounding")
     fmt, sizes = wire.comm_dtype, layout.sizes
     row = kernels.row_bytes(fmt)
     send = torch.empty(layout.n_rows * row, dtype=torch.uint8, device=buffer.device)
@@ -132,7 +135,53 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
                          lambda rows, b, st: kernels.dequantize_blocks.prepare(rows, layout, b, fmt=fmt, stats=st,
                                                                                canonical_nan=False),
                          send, buffer, stats)
+    if record is not None:
+        sample = RoundingSample(buffer.device)
+        record.rounding.append(sample)
+        quantize = _MeasuredQuantize(quantize, record, sample,
+                                     _measure_rounding(buffer, send, layout, fmt, pre_scale, first, second))
     return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)
+
+
+class _MeasuredQuantize:
+    """A block-scaled quantize that, on its bucket's sampled passes (``RoundingSample.due``: a bucket's first, so
+    again after DDP rebuilds its buckets), then measures what it lost: the one branch it adds to a pass. Not inside
+    a CUDA graph's capture, whose replays would repeat it."""
+
+    __slots__ = ("quantize", "record", "sample", "measure")
+
+    def __init__(self, quantize: Callable[[], None], record: BucketRecord, sample: RoundingSample,
+                 measure: Callable[[torch.Tensor], None]) -> None:
+        self.quantize, self.record, self.sample, self.measure = quantize, record, sample, measure
+
+    def __call__(self) -> None:
+        self.quantize()
+        if RoundingSample.due(self.record.passes) and not (self.sample.sums.is_cuda
+                                                           and torch.cuda.is_current_stream_capturing()):
+            self.measure(self.sample.sums)
+            self.sample.at_pass = self.record.last_used + 1  # the state's pass, counted from 1
+
+
+def _measure_rounding(buffer: torch.Tensor, rows: torch.Tensor, layout: BlockLayout, fmt: Any, pre_scale: float,
+                      first: Optional[torch.Tensor], second: Optional[torch.Tensor]
+                      ) -> Callable[[torch.Tensor], None]:
+    """What ``rows`` (just quantized from ``buffer`` at ``pre_scale``, plus ``first`` with error feedback) lost, as
+    float32 [|rounding|^2, |meant|^2, |owed|^2]: with error feedback the quantize left the rounding in ``first``
+    (meant = sent + first), and it owes ``first`` and ``second``; without, meant is the scaled bucket."""
+
+    def measure(sums: torch.Tensor) -> None:
+        sent = torch.empty(layout.n_elements, dtype=torch.float32, device=buffer.device)
+        kernels.dequantize_blocks(rows, layout, sent, fmt=fmt)
+        if first is not None:
+            lost, meant = first, sent.add_(first)
+            owed = first.dot(first) + second.dot(second)
+        else:
+            meant = buffer.float() * pre_scale
+            lost = meant - sent
+            owed = torch.zeros((), dtype=torch.float32, device=buffer.device)
+        torch.stack([lost.dot(lost), meant.dot(meant), owed], out=sums)
+
+    return measure
 
 
 def fp8_chunk_layouts(sizes: Sequence[int], world_size: int, count: int) -> Tuple[List[int], List[BlockLayout]]:
@@ -149,14 +198,15 @@ def fp8_chunk_layouts(sizes: Sequence[int], world_size: int, count: int) -> Tupl
 
 def chunked_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, offsets: Sequence[int],
                          layouts: Sequence[BlockLayout], group: Any, world_size: int, pre_scale: float,
-                         residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor]) -> ChunkedExchange:
+                         residuals: Optional[LayoutResiduals], stats: Optional[torch.Tensor],
+                         record: Optional[BucketRecord] = None) -> ChunkedExchange:
     """The flat FP8 exchange of ``buffer`` as one ``block_fp8_exchange`` per chunk (``fp8_chunk_layouts``), the
     quantize of chunk k+1 running while chunk k is on the wire; with ``stats``, each chunk's dequantize writes a row
-    of its own, added up once every chunk finished."""
+    of its own, added up once every chunk finished; with ``record``, each chunk measures its rounding."""
     rows = None if stats is None else torch.zeros(len(layouts), 2, dtype=torch.float32, device=buffer.device)
     residual = residuals.chunk_residuals() if residuals is not None else [None] * len(layouts)
     chunks = [block_fp8_exchange(buffer[a:b], wire, layout, group, world_size, pre_scale, left,
-                                 None if rows is None else rows[k])
+                                 None if rows is None else rows[k], record=record)
               for k, (a, b, layout, left) in enumerate(zip(offsets, offsets[1:], layouts, residual))]
     finish = nothing if rows is None else functools.partial(torch.sum, rows, dim=0, out=stats)
     held = [t for chunk in chunks for t in chunk.held] + ([] if rows is None else [rows])

@@ -133,6 +133,11 @@ def _every_format_worker(rank, world_size):
             # 16 bits with float32 sums is one all-reduce (the same bits), FP8 and E2M1 an all-to-all and an all-gather.
             stages = 4 if wire.block_scaled else 3
             assert {len(e.exchange.stages) for e in state.plans.values()} == {stages}, str(summary)
+            # The hop between nodes measured its rounding at each bucket's first pass (block-scaled formats only).
+            rounded = [b for b in summary.buckets if b.rounding_pass is not None]
+            assert len(rounded) == (len(summary.buckets) if wire.block_scaled else 0), str(summary)
+            bound = {8: 0.1, 4: 0.2}.get(wire.dtype.bits)  # E5M2 keeps 2 mantissa bits, E4M3 3, E2M1 1
+            assert all(0 < b.rounding_error < bound for b in rounded), str(summary)
 
 
 def _three_nodes_worker(rank, world_size):
