@@ -35,6 +35,34 @@ _DIGEST_LEN = 64
 _NO_PROFILE = "no-profile".ljust(_DIGEST_LEN, "-")
 
 
+def group_rank(group: ProcessGroup) -> int:
+    """This rank's rank in ``group`` (-1 outside it): ``dist.get_rank``, or, for a group torch.distributed keeps no
+    record of (torchft's process group of one quorum: made without ``new_group``, perhaps with no default group at
+    all), the group's own ``rank()``."""
+    try:
+        return dist.get_rank(group)
+    except (ValueError, RuntimeError):
+        return group.rank()
+
+
+def group_backend(group: ProcessGroup) -> str:
+    """The backend of ``group`` as ``dist.get_backend`` names it, or, for a group torch.distributed keeps no record
+    of (see ``group_rank``), the group's own name of its backend ("gloo", "nccl")."""
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):
+        return group.name()
+
+
+def group_ranks(group: ProcessGroup) -> List[int]:
+    """The global ranks of ``group`` by group rank (``dist.get_process_group_ranks``); for a group torch.distributed
+    keeps no record of (see ``group_rank``), its own ranks, 0 to its size."""
+    try:
+        return dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return list(range(group.size()))
+
+
 def _canonical(algorithms: Iterable[str]) -> List[str]:
     algs = set()
     for a in algorithms:
@@ -193,7 +221,7 @@ def device_scope(device: Optional[torch.device]) -> Any:
 
 def collective_device(pg: ProcessGroup) -> torch.device:
     """Where a tensor for a collective on ``pg`` lives: the current CUDA device on NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(pg)).lower():
+    if "nccl" in group_backend(pg).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -230,7 +258,7 @@ def check_profile_agreement(profile: Any, process_group: Optional[ProcessGroup] 
         return digest
     digests = gather_text(digest, pg)
     if len(set(digests)) > 1:
-        ranks = dist.get_process_group_ranks(pg)
+        ranks = group_ranks(pg)
         by_digest: Dict[str, List[int]] = {}
         for r, d in zip(ranks, digests):
             by_digest.setdefault(d, []).append(r)
@@ -251,7 +279,7 @@ def check_wire_agreement(wire_format: str, process_group: ProcessGroup) -> None:
         return
     names = [n.rstrip() for n in gather_text(wire_format[:_DIGEST_LEN].ljust(_DIGEST_LEN), process_group)]
     if len(set(names)) > 1:
-        ranks = dist.get_process_group_ranks(process_group)
+        ranks = group_ranks(process_group)
         parts = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, names))
         raise RuntimeError(f"ranks disagree on the wire format ({parts}): give every rank the same comm_dtype, "
                            "accumulate_dtype and error_feedback")
@@ -267,7 +295,7 @@ def fail_together(problem: Optional[str], process_group: ProcessGroup) -> None:
     flags = gather_text("1" if problem is not None else "0", process_group)
     if problem is not None:
         raise ValueError(problem)
-    failed = [r for r, flag in zip(dist.get_process_group_ranks(process_group), flags) if flag == "1"]
+    failed = [r for r, flag in zip(group_ranks(process_group), flags) if flag == "1"]
     if failed:
         raise ValueError(f"rank(s) {failed} failed to bind this state (their error says why); every rank stops")
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..formats import WireFormat, average_factors, sorted_by_preference
 from ..log import warn_once
 from ..machine.profile import AUTO_FORMAT
-from .algo_groups import device_scope, fail_together, select_group
+from .algo_groups import device_scope, fail_together, group_backend, group_rank, select_group
 from .chunks import agreed_chunk_bytes
 from .exchange import ExchangeQueue
 from .nodes import NodeGroups, bind_node_groups
@@ -93,7 +93,7 @@ def bind_context(group: Any, *, profile: Any, comm_dtype: Any, wire: WireFormat,
     All of it runs with ``device`` (the model's) as the current CUDA device: every collective here, and the NCCL
     communicator each brings up, goes to the model's GPU whatever device the script made current.
     """
-    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or group_rank(group) < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
     with device_scope(device):
         return _bind(group, profile, comm_dtype, wire, queue, residuals, grad_stats, online)
@@ -103,9 +103,9 @@ def _bind(group: Any, profile: Any, comm_dtype: Any, wire: WireFormat, queue: Ex
           residuals: ResidualStore, grad_stats: bool, online: Optional[List[str]]) -> Context:
     """``bind_context``'s work, under the model's device."""
     world_size = dist.get_world_size(group)
-    backend = str(dist.get_backend(group)).lower()
+    backend = group_backend(group).lower()
     backend = "nccl" if "nccl" in backend else backend
-    loaded, here = residuals.loaded_from, (dist.get_rank(group), world_size)
+    loaded, here = residuals.loaded_from, (group_rank(group), world_size)
     fail_together(None if loaded is None or loaded == here else
                   f"the residuals loaded into this state are rank {loaded[0]} of {loaded[1]}'s; it binds as rank "
                   f"{here[0]} of {here[1]}: load each rank's own file", group)

@@ -21,7 +21,8 @@ from ..log import logger
 from ..versions import nccl_version
 from ..machine.profile import AUTO_FORMAT, Profile, ProfileError, find_cached_profile, load_profile, profile_fingerprint
 from ..machine.topology import Topology, TopologyError, apply_launch_env, load_topology
-from .algo_groups import check_nccl_support, check_profile_agreement, check_wire_agreement, make_algorithm_groups
+from .algo_groups import (check_nccl_support, check_profile_agreement, check_wire_agreement, group_ranks,
+                          make_algorithm_groups)
 
 
 def _this_topology() -> Optional[Topology]:
@@ -122,7 +123,7 @@ def _raise_together(failure: Optional[Exception], group: Any, given: str) -> Non
     dist.all_gather_object(reasons, None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
     if failure is not None:
         raise failure
-    failed = [(rank, reason) for rank, reason in zip(dist.get_process_group_ranks(group), reasons)
+    failed = [(rank, reason) for rank, reason in zip(group_ranks(group), reasons)
               if reason is not None]
     if failed:
         rank, reason = failed[0]

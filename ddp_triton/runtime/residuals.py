@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS
-from .algo_groups import collective_device
+from .algo_groups import collective_device, group_rank
 from .collective_errors import run_collective
 
 # What a failed collective's message says these collectives carried (``collective_errors.py``).
@@ -149,7 +149,7 @@ class ResidualStore:
             return found  # (other sizes: the ids belong to new parameters now; the old layout overlaps, retired)
         self._retire_overlapping(params, group)
         span = (0, sum(sizes)) if span is None else span
-        shard = dist.get_rank(group) if shard is None else shard
+        shard = group_rank(group) if shard is None else shard
         layouts = tuple(layouts)
         first = torch.zeros(sum(layout.n_elements for layout in layouts), dtype=torch.float32, device=device)
         second = torch.zeros(sum(layout.rows_per_shard for layout in layouts) * BLOCK_ELEMENTS, dtype=torch.float32,
@@ -214,6 +214,47 @@ class ResidualStore:
             held.alive = False
             del self.layouts[held.params]
 
+    # ---- a step thrown away, a group changed -----------------------------------------------------------------------
+
+    def snapshot(self) -> Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of every live layout's residuals, for ``restore`` if the step about to run is thrown away (torchft
+        discards a step that failed anywhere). Costs one copy of the residuals in memory and time."""
+        return {key: (held.first.clone(), held.second.clone()) for key, held in self.layouts.items()}
+
+    def restore(self, saved: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put back what ``snapshot`` copied; a layout made since (it held nothing before) goes back to zero."""
+        for key, held in self.layouts.items():
+            copied = saved.get(key)
+            if copied is None:
+                held.first.zero_()
+                held.second.zero_()
+            else:
+                held.first.copy_(copied[0])
+                held.second.copy_(copied[1])
+
+    def zero(self) -> None:
+        """Forget every residual (a replica that torchft heals from another's checkpoint starts from zero: residuals
+        are one rank's own, not the model's)."""
+        for held in self.layouts.values():
+            held.first.zero_()
+            held.second.zero_()
+        self.pending_first.clear()
+        self.pending_second.clear()
+        self.loaded_from = None
+
+    def release_locally(self) -> None:
+        """Retire every layout without a collective, for a group whose members changed (a peer gone or back): the
+        old group can no longer gather the second stage. Each rank keeps its first stage and its own rows of the
+        second; at the next layout a rank takes, of the second stage, only the rows it held and owns again, so no
+        element is counted twice and the rows whose owner changed are dropped."""
+        for held in list(self.layouts.values()):
+            whole, first = held.whole_second(None), held.first_in_bucket()
+            for param, part in held.slices():
+                self.pending_first[param] = first[part].clone()
+                self.pending_second[param] = whole[part].clone()
+            held.alive = False
+        self.layouts.clear()
+
     # ---- names ------------------------------------------------------------------------------------------------
 
     def name_parameters(self, module: torch.nn.Module) -> None:
@@ -251,7 +292,7 @@ class ResidualStore:
         if group is None:
             rank, world_size = self.loaded_from if self.loaded_from is not None else (None, None)
         else:
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            rank, world_size = group_rank(group), dist.get_world_size(group)
         first: Dict[str, torch.Tensor] = {}
         second: Dict[str, torch.Tensor] = {}
         for held in list(self.layouts.values()):
@@ -329,7 +370,7 @@ def this_ranks_part(saved: Dict[str, Any], group: Optional[Any]) -> Dict[str, An
         raise ValueError("a state_dict of every rank's residuals is loaded into a bound state (the rank picks its "
                          "own): register the state first")
     by_rank = saved["first_stage_by_rank"]
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = group_rank(group), dist.get_world_size(group)
     if not isinstance(by_rank, list) or len(by_rank) != world_size or saved.get("world_size") != world_size:
         count = len(by_rank) if isinstance(by_rank, list) else by_rank
         raise ValueError(f"the saved residuals are of {saved.get('world_size')!r} ranks ({count!r} first stages); "
@@ -362,7 +403,7 @@ def check_saved(saved: Any, settings: Dict[str, Any], shapes: Dict[str, torch.Si
         if saved["first_stage"] or saved["second_stage"]:
             raise ValueError("the saved residuals name no rank and world size, yet hold residuals")
     elif group is not None:
-        here = (dist.get_rank(group), dist.get_world_size(group))
+        here = (group_rank(group), dist.get_world_size(group))
         if here != there:
             raise ValueError(f"the saved residuals are rank {there[0]} of {there[1]}'s (the first stage is each "
                              f"rank's own); this is rank {here[0]} of {here[1]}: load each rank's own file")

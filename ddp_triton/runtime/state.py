@@ -136,6 +136,18 @@ class CommState:
         if self.tuner is not None:
             self.tuner.admit(list(self.context.formats))
 
+    def regroup(self, process_group: Any) -> None:
+        """Bind again, at the next bucket, to ``process_group``, which replaces a group whose members changed (torchft's
+        quorum: a replica gone or back). Nothing here is collective, as the old group may hold a dead peer: the buckets
+        bind afresh on a new exchange queue (a failure may have broken the old one), each rank keeps its residuals
+        as ``ResidualStore.release_locally`` says, and online tuning starts over (every rank of the new group
+        regroups before the same step, so they tune together)."""
+        self.residuals.release_locally()
+        self.process_group, self.needs_group = process_group, False
+        self.context, self.plans, self.queue = None, {}, ExchangeQueue()
+        if self.tuner is not None:
+            self.tuner = OnlineTuner(self.formats)
+
     def averaging_group(self) -> Any:
         """``process_group``, or the default group when it is None and the state was not saved on another group."""
         if self.process_group is not None:
