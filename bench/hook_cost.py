@@ -33,7 +33,7 @@ select, is refused.
 torch refuses ``bf16_compress_hook`` by name outside NCCL (its check predates gloo's bfloat16 sums); the script
 registers a copy of the same function under another name. The ratios compare each of our variants with torch's hook
 of the same wire format: float32 with ``allreduce_hook``, float16 with ``fp16_compress_hook``, bfloat16 (and
-bfloat16 with float32 sums, and FP8, which torch lacks) with ``bf16_compress_hook``.
+bfloat16 with float32 sums, and FP8, which torch lacks) with ``bf16_compress_hook``; E2M1 with our FP8.
 """
 
 from __future__ import annotations
@@ -123,6 +123,8 @@ VARIANTS: List[Variant] = [
             _ours(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)),
     Variant("triton_fp8", "ours, FP8 e4m3 + error feedback", "bf16_compress_hook", "fp8_ratio",
             _ours(comm_dtype=torch.float8_e4m3fn)),
+    Variant("triton_fp4", "ours, E2M1 + error feedback", "triton_fp8", "fp4_over_fp8_ratio",
+            _ours(comm_dtype="fp4e2m1+ef")),
     # Per-size formats from a profile: every bucket here is bf16; with a staged format in the table (for sizes no
     # bucket has), the all-reduces go through the exchange queue.
     Variant("triton_auto_bf16", "ours, comm_dtype='auto' (bf16 only)", "triton_bf16", "auto_direct_ratio",

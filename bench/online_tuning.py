@@ -50,11 +50,11 @@ class Trainee:
     """One DDP model of the run, its optimizer, and the loss and time of every step it took."""
 
     def __init__(self, name: str, base: torch.nn.Module, loss: Any, profile: Optional[str],
-                 device: torch.device, lr: float) -> None:
+                 device: torch.device, lr: float, formats: List[str]) -> None:
         self.name, self.loss_fn, self.device = name, loss, device
         self.ddp = DDP(copy.deepcopy(base), device_ids=[device.index] if device.type == "cuda" else None)
         if name == ONLINE:
-            self.state = ddp_triton.register(self.ddp, comm_dtype="auto", tune="online", formats=FORMATS,
+            self.state = ddp_triton.register(self.ddp, comm_dtype="auto", tune="online", formats=formats,
                                              profile=profile)
         else:
             self.state = ddp_triton.register(self.ddp, profile=None, **WireFormat.parse(name).options())
@@ -117,9 +117,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--loss-step", type=int, default=100, help="the step whose loss is compared with fp32's")
     p.add_argument("--lr", type=float, default=3.0, help="SGD's learning rate: at 3 the MLP's loss falls by about a "
                    "third in 25 steps, so the formats' accuracy shows in it")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="the formats online tuning may choose, each also timed alone (fp32 among them: the loss is "
+                        f"compared with its; default {','.join(FORMATS)})")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     rates = args.rates.split(",")
+    formats = [WireFormat.parse(name).name for name in args.formats.split(",") if name]
+    if "fp32" not in formats:
+        p.error("--formats must include fp32 (the loss is compared with fp32's)")
 
     device = init()  # torchrun's job (bench.cluster's: gloo on CPU), or one of a single rank
     rank = dist.get_rank()
@@ -127,8 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(message)s")
         logging.getLogger("ddp_triton").setLevel(logging.INFO)
     work = make_workload("mlp", args.small, args.batch, None, device, dist.get_world_size(), args.blocks)
-    online = Trainee(ONLINE, work.model, work.loss, args.profile, device, args.lr)
-    fixed = [Trainee(name, work.model, work.loss, None, device, args.lr) for name in FORMATS]
+    online = Trainee(ONLINE, work.model, work.loss, args.profile, device, args.lr, formats)
+    fixed = [Trainee(name, work.model, work.loss, None, device, args.lr, formats) for name in formats]
     phases = []
     for i, rate in enumerate(rates):
         if i > 0:
@@ -142,11 +148,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             progress(f"  tuned after {tuning['steps']} steps: {tuning['formats']}")
         times = take_turns([*fixed, online], args.rounds, args.steps)
         medians = {name: statistics.median(ts) for name, ts in times.items()}
-        best = min(FORMATS, key=lambda name: medians[name])
+        best = min(formats, key=lambda name: medians[name])
         phases.append({"rate": rate, "tuning": tuning, "median_ms": medians, "best_single": best,
                        "online_over_best": medians[ONLINE] / medians[best],
                        "spread_ms": {name: [min(ts), max(ts)] for name, ts in times.items()}})
-    fp32 = fixed[FORMATS.index("fp32")]
+    fp32 = fixed[formats.index("fp32")]
     while len(fp32.losses) < args.loss_step or len(online.losses) < args.loss_step:  # untimed: the accuracy
         for t in (fp32, online):
             if len(t.losses) < args.loss_step:
@@ -155,9 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     at = args.loss_step - 1
     loss_row = {name: (ls[at] if len(ls) > at else None) for name, ls in losses.items()}
     if rank == 0:
-        rows = [[ph["rate"], ph["tuning"]["steps"], *(f"{ph['median_ms'][n]:.0f}" for n in [*FORMATS, ONLINE]),
+        rows = [[ph["rate"], ph["tuning"]["steps"], *(f"{ph['median_ms'][n]:.0f}" for n in [*formats, ONLINE]),
                  ph["best_single"], f"{ph['online_over_best']:.3f}"] for ph in phases]
-        print(format_table(["link", "tuning steps", *FORMATS, ONLINE, "best single", "online/best"], rows))
+        print(format_table(["link", "tuning steps", *formats, ONLINE, "best single", "online/best"], rows))
         fp32_loss, online_loss = loss_row["fp32"], loss_row[ONLINE]
         if fp32_loss is not None and online_loss is not None:
             print(f"loss at step {args.loss_step}: fp32 {fp32_loss:.6g}, online {online_loss:.6g} "
@@ -168,6 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         path = save_json("online_tuning", {"env": {**environment(device), **work.env,
                                                    "world_size": dist.get_world_size(), "rates": rates,
                                                    "profile": args.profile, "rounds": args.rounds, "lr": args.lr,
+                                                   "formats": formats,
                                                    "steps": args.steps},
                                            "phases": phases, "loss_at_step": {"step": args.loss_step, **loss_row},
                                            "losses": losses}, args.out_dir)
