@@ -16,7 +16,8 @@ needs must be there, on other streams (its side stream and the completions' pool
 collective's future at launch, so everything the hook enqueues for a bucket it enqueues inside the call; the backward's
 next kernel follows on that stream unhindered. The trace is switched on in the worker only (it stays on for the rest
 of a process's life). Each case also checks the gradients: the bits of the 16-bit formats summed in float32 (at one
-rank, the gradient rounded once to bfloat16), and finite FP8 results, so a missing order between streams shows.
+rank, the gradient rounded once to bfloat16), and finite FP8 and E2M1 results, so a missing order between streams
+shows; and, every pass measuring it here, the rounding the block-scaled buckets report in ``summary()``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ CASES = {  # name: (register's options, two-level format name or None, bytes per
     "two-level bf16+fp32sum chunks": (dict(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32),
                                       "two-level bf16+fp32sum", CHUNK_BYTES),
     "two-level fp8e4m3+ef chunks": (dict(comm_dtype=torch.float8_e4m3fn), "two-level fp8e4m3+ef", CHUNK_BYTES),
+    "fp4e2m1+ef chunks": (dict(comm_dtype="fp4e2m1+ef"), None, CHUNK_BYTES),
+    "two-level fp4e2m1+ef": (dict(comm_dtype="fp4e2m1+ef"), "two-level fp4e2m1+ef", None),
 }
 
 
@@ -91,6 +94,10 @@ def _case(name, trace):
                     problems.append(f"step {step}: {pname}'s gradient is not the reference's bits")
             elif not (torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0):
                 problems.append(f"step {step}: {pname}'s gradient is not finite or all zero")
+    if state.context.wire.block_scaled:  # every pass measured its rounding (ROUNDING_EVERY = 1), traced ones too
+        rounded = [b.rounding_error for b in state.summary().buckets]
+        if not all(r is not None and 0 < r < 0.2 for r in rounded):
+            problems.append(f"the buckets' measured rounding: {rounded}, expected each in (0, 0.2)")
     if two_level is not None and state.context.wire.name != two_level:
         problems.append(f"the state runs {state.context.wire.name}, not {two_level}")
     chunked = [isinstance(plan.exchange, ChunkedExchange) for plan in state.plans.values()]
@@ -131,8 +138,9 @@ class _Trace:
 
 def _worker(rank, world_size, names):
     from torch.cuda import _gpu_trace
-    from ddp_triton.runtime import hook as hook_module
+    from ddp_triton.runtime import hook as hook_module, telemetry
 
+    telemetry.ROUNDING_EVERY = 1  # the block-scaled buckets measure their rounding in the traced steps too
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
