@@ -111,7 +111,7 @@ step ddp_gpt2 90 18 python3 -m bench.ddp_step --model gpt2 \
 # all-to-all and all-gather over one rank: the kernels' cost in a step, not a network's).
 step wire_kernels 40 12 python3 -m bench.wire_kernels --out-dir "$work"
 step ddp_wire 45 12 python3 -m bench.ddp_step --out-dir "$work/wire" --rounds 3 \
-  --variants no_hook,triton_hook_bf16,triton_hook_bf16_fp32sum,triton_hook_fp8,triton_hook_fp8_no_ef
+  --variants no_hook,triton_hook_bf16,triton_hook_bf16_fp32sum,triton_hook_fp8,triton_hook_fp8_no_ef,triton_hook_fp4
 
 # Its own cache folder, so that nothing later is steered by this profile.
 XDG_CACHE_HOME="$work/cache" step autotune 40 15 python3 -m ddp_triton.cli autotune --min-bytes 1K --max-bytes 64M \

@@ -14,6 +14,7 @@ them (``kernels.<op>.prepare(...).fixed(...)``: direct launches), and counts the
 - dequantize (to float32, no stats): reads the rows (132/128 B), writes the bucket (4 B);
 - sum of blocks (FSDP's FP8 reduce-scatter, N ranks): reads N rows per row of its shard, writes float32: per shard
   element N * 132/128 + 4 B;
+- the same four in E2M1 (68-byte rows: 68/128 B an element where FP8 moves 132/128);
 - sum of slices (bfloat16, N ranks): reads N * 2 B, writes 2 B per shard element;
 - torch's ``copy_`` of the bucket to bfloat16 as a reference point (4 + 2 B per element).
 
@@ -85,6 +86,7 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
          slice_n * (ranks * 2 + 2)),
         ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
     ]
+    cases[5:5] = _e2m1_cases(bucket, layout, residual, shard_residual, out, ranks)
     out_rows = []
     for name, fn, nbytes in cases:
         us = bench_us(fn, device)
@@ -92,6 +94,34 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
         out_rows.append({"kernel": name, "mb": mb, "ranks": ranks, "bytes": int(nbytes), "us": round(us, 1),
                          "gbps": round(gbps, 1), "of_ceiling": round(gbps / ceiling, 3)})
     return out_rows
+
+
+def _e2m1_cases(bucket: torch.Tensor, layout: Any, residual: torch.Tensor, shard_residual: torch.Tensor,
+                out: torch.Tensor, ranks: int) -> List[Any]:
+    """The same launches in E2M1 (68-byte rows): quantize, reduce and dequantize with their bytes, and FSDP's sum."""
+    row4 = row_bytes(FP4_E2M1)
+    per = row4 / 128
+    send = torch.empty(layout.n_rows * row4, dtype=torch.uint8, device=bucket.device)
+    quantize_blocks(bucket, layout, send, 1.0 / ranks, fmt=FP4_E2M1, residual=residual)
+    shard_rows = layout.rows_per_shard
+    received = send[: shard_rows * row4].repeat(ranks)
+    shard = torch.empty(shard_rows * row4, dtype=torch.uint8, device=bucket.device)
+    shard_layout = block_layout([shard_rows * 128], 1)
+    n = bucket.numel()
+    return [
+        ("quantize e2m1 +ef", quantize_blocks.prepare(bucket, layout, send, 1.0 / ranks, fmt=FP4_E2M1,
+                                                      residual=residual).fixed(bucket, send, residual),
+         n * (4 + 4 + 4 + per)),
+        (f"reduce e2m1 x{ranks} +ef", reduce_blocks.prepare(received, ranks, shard, fmt=FP4_E2M1,
+                                                            residual=shard_residual).fixed(received, shard,
+                                                                                           shard_residual),
+         shard_rows * 128 * (ranks * per + 8 + per)),
+        ("dequantize e2m1 -> fp32", dequantize_blocks.prepare(send, layout, out, fmt=FP4_E2M1).fixed(send, out, None),
+         n * (per + 4)),
+        (f"sum blocks e2m1 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, shard_residual,
+                                                                 fmt=FP4_E2M1).fixed(received, shard_residual),
+         shard_rows * 128 * (ranks * per + 4)),
+    ]
 
 
 def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
