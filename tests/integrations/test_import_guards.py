@@ -1,4 +1,5 @@
-"""ddp-triton does not depend on Lightning, Accelerate or Transformers; its integration modules say what to install.
+"""ddp-triton does not depend on Lightning, Accelerate, Transformers or torchft; its integration modules say what to
+install.
 
 Tier: no device; runs whether or not the frameworks are installed (each check hides them or looks at the source).
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddp_triton"
-FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "lightning_fabric", "transformers")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "lightning_fabric", "transformers", "torchft")
 
 
 def _hide(monkeypatch, *names):
@@ -39,6 +40,12 @@ def test_transformers_integration_without_transformers_says_what_to_install(monk
     _hide(monkeypatch, "transformers")
     with pytest.raises(ImportError, match="needs Hugging Face Transformers.*pip install transformers"):
         importlib.import_module("ddp_triton.integrations.transformers")
+
+
+def test_torchft_integration_without_torchft_says_what_to_install(monkeypatch):
+    _hide(monkeypatch, "torchft", "torchft.ddp", "torchft.process_group")
+    with pytest.raises(ImportError, match=r"needs torchft.*pip install torchft \(or ddp-triton\[torchft\]\)"):
+        importlib.import_module("ddp_triton.integrations.torchft")
 
 
 def test_the_package_imports_no_framework():

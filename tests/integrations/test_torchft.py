@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from doc_checks import REPO, TROUBLESHOOTING, quote_of, quoted_messages, read_doc
 from framework_import import import_installed
 
 torchft = import_installed("torchft")
@@ -73,8 +74,27 @@ def test_the_model_carries_its_state_and_registers_it_for_healing():
                  "comm_dtype", id="bad-comm-dtype"),
 ])
 def test_bad_input_is_refused_by_name(make, error, words):
-    with pytest.raises(error, match=words):
+    """Each refusal names what is wrong, and docs/troubleshooting.md quotes it (as tests/dist/test_troubleshooting.py
+    checks for the rest of the package, in a tier without torchft)."""
+    with pytest.raises(error, match=words) as raised:
         make()
+    quotes = quoted_messages(read_doc(REPO, TROUBLESHOOTING))
+    assert quote_of(str(raised.value), quotes) is not None, f"{TROUBLESHOOTING} quotes no part of: {raised.value}"
+
+
+def test_the_messages_a_torchft_user_meets_are_on_the_troubleshooting_page():
+    """Those raised later than construction: a heal from a group with other settings, a replica group of several
+    ranks without its own group."""
+    quotes = quoted_messages(read_doc(REPO, TROUBLESHOOTING))
+    manager = stand_in_manager()
+    model = ours()(manager, nn.Linear(4, 2))
+    with pytest.raises(ValueError) as healed:
+        model._exchange.load_state_dict({"wire_format": "fp8e4m3+ef"})
+    manager.__dict__["_group_world_size"] = 2
+    with pytest.raises(ValueError) as no_group:
+        ours()(manager, nn.Linear(4, 2))
+    for message in (str(healed.value), str(no_group.value)):
+        assert quote_of(message, quotes) is not None, f"{TROUBLESHOOTING} quotes no part of: {message}"
 
 
 # ---- real replica groups under a real lighthouse ------------------------------------------------------------------
