@@ -289,3 +289,28 @@ def test_a_peer_lost_inside_the_hook_throws_the_step_away_and_rolls_the_residual
         first = thrown[0]
         assert first["res_before"] != "" and first["res_after"] == first["res_before"], first
         assert lines[-1]["after"] == 10
+
+
+def test_the_example_trains_two_replica_groups(tmp_path):
+    """examples/torchft_train.py as its docstring runs it (torchrun per replica group, a lighthouse), briefly."""
+    from torchft._torchft import LighthouseServer
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=5000)
+    example = REPLICA.parents[2] / "examples" / "torchft_train.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = []
+    try:
+        for group in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(example),
+                 "--comm", "fp8", "--steps", "20", "--hidden", "32", "--min-replicas", "2"],
+                env={**env, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "REPLICA_GROUP_ID": str(group)},
+                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [proc.communicate(timeout=DEADLINE)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        lighthouse.shutdown()
+    for group, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, output[-3000:]
+        assert f"group {group} step 20: loss" in output and "fp8e4m3+ef between groups" in output, output[-3000:]
