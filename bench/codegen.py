@@ -378,7 +378,8 @@ def format_reports(rows: Sequence[Dict[str, Any]]) -> str:
 #: The wire-format launches that must compile without contraction (their launchers pass enable_fp_fusion=False).
 WIRE_NO_FUSION = {"quantize fp32->e4m3 +ef", "reduce e4m3 x8 +ef", "dequantize e4m3->bf16 +stats",
                   "sum blocks e4m3 x8 -> fp32", "quantize fp32->e2m1 +ef", "reduce e2m1 x8 +ef",
-                  "dequantize e2m1->bf16 +stats", "sum blocks e2m1 x8 -> fp32"}
+                  "dequantize e2m1->bf16 +stats", "sum blocks e2m1 x8 -> fp32", "quantize fp32->e4m3 +ef bf16",
+                  "reduce e4m3 x8 +ef bf16", "quantize fp32->e2m1 +ef bf16", "reduce e2m1 x8 +ef bf16"}
 
 
 def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
@@ -388,6 +389,7 @@ def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
     rows = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
     shard = torch.empty(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
     bucket, residual = torch.empty(n), torch.empty(n)
+    residual16 = torch.empty(n, dtype=torch.int16)  # a bfloat16 residual, as the launchers pass it: its bits
     fmt = dict(MANTISSA=E4M3.mantissa_bits, BIAS=E4M3.bias)
     rows_constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS)
     no_fusion = dict(enable_fp_fusion=False)
@@ -395,16 +397,19 @@ def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
     words4 = torch.empty(layout.n_rows * fp4.ROW_WORDS, dtype=torch.int32)  # E2M1 rows, as the launcher views them
     shard4 = words4[: layout.rows_per_shard * fp4.ROW_WORDS]
     fp4_constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS)
+    residuals = [("", residual, False), (" bf16", residual16, True)]  # error feedback kept in float32, in bfloat16
     return [
-        ("quantize fp32->e4m3 +ef", blockscale._quantize_blocks_kernel,
-         (bucket, layout.table, residual, rows, rows.view(torch.int32), 1.0 / WORLD),
-         dict(**rows_constexprs, APPLY_SCALE=True, SRC_BF16=False, RESIDUAL=True, MAX_EXPONENT_OF=E4M3.max_exponent,
-              **fmt), blockscale._NUM_WARPS, no_fusion),
-        ("reduce e4m3 x8 +ef", blockscale._reduce_blocks_kernel,
-         (rows, rows.view(torch.int32), residual[: shard.numel() // ROW_BYTES * BLOCK_ELEMENTS], shard,
-          shard.view(torch.int32), WORLD, shard.numel(), shard.numel() // 4),
-         dict(**rows_constexprs, RESIDUAL=True, MAX_EXPONENT_OF=E4M3.max_exponent, **fmt), blockscale._NUM_WARPS,
-         no_fusion),
+        *[(f"quantize fp32->e4m3 +ef{suffix}", blockscale._quantize_blocks_kernel,
+           (bucket, layout.table, carried, rows, rows.view(torch.int32), 1.0 / WORLD),
+           dict(**rows_constexprs, APPLY_SCALE=True, SRC_BF16=False, RESIDUAL=True, RESIDUAL_BF16=bf16_residual,
+                MAX_EXPONENT_OF=E4M3.max_exponent, **fmt), blockscale._NUM_WARPS, no_fusion)
+          for suffix, carried, bf16_residual in residuals],
+        *[(f"reduce e4m3 x8 +ef{suffix}", blockscale._reduce_blocks_kernel,
+           (rows, rows.view(torch.int32), carried[: shard.numel() // ROW_BYTES * BLOCK_ELEMENTS], shard,
+            shard.view(torch.int32), WORLD, shard.numel(), shard.numel() // 4),
+           dict(**rows_constexprs, RESIDUAL=True, RESIDUAL_BF16=bf16_residual, MAX_EXPONENT_OF=E4M3.max_exponent,
+                **fmt), blockscale._NUM_WARPS, no_fusion)
+          for suffix, carried, bf16_residual in residuals],
         ("dequantize e4m3->bf16 +stats", blockscale._dequantize_blocks_kernel,
          (rows, rows.view(torch.int32), layout.table, bf16.view(torch.int16), torch.empty(layout.n_blocks, 2)),
          dict(**rows_constexprs, OUT_KIND=0, STATS=True, HW_CONVERT=True, **fmt), blockscale._NUM_WARPS, no_fusion),
@@ -414,12 +419,15 @@ def wire_launches() -> List[Tuple[str, Any, tuple, dict, int, dict]]:
           shard.numel(), shard.numel() // 4),
          dict(**rows_constexprs, **fmt), blockscale._NUM_WARPS, no_fusion),
         # The same four passes in block-scaled E2M1 (kernels/fp4.py)
-        ("quantize fp32->e2m1 +ef", fp4._quantize_blocks_kernel,
-         (bucket, layout.table, residual, words4, 1.0 / WORLD),
-         dict(**fp4_constexprs, APPLY_SCALE=True, SRC_BF16=False, RESIDUAL=True), blockscale._NUM_WARPS, no_fusion),
-        ("reduce e2m1 x8 +ef", fp4._reduce_blocks_kernel,
-         (words4, residual[: layout.rows_per_shard * BLOCK_ELEMENTS], shard4, WORLD, shard4.numel()),
-         dict(**fp4_constexprs, RESIDUAL=True), blockscale._NUM_WARPS, no_fusion),
+        *[(f"quantize fp32->e2m1 +ef{suffix}", fp4._quantize_blocks_kernel,
+           (bucket, layout.table, carried, words4, 1.0 / WORLD),
+           dict(**fp4_constexprs, APPLY_SCALE=True, SRC_BF16=False, RESIDUAL=True, RESIDUAL_BF16=bf16_residual),
+           blockscale._NUM_WARPS, no_fusion)
+          for suffix, carried, bf16_residual in residuals],
+        *[(f"reduce e2m1 x8 +ef{suffix}", fp4._reduce_blocks_kernel,
+           (words4, carried[: layout.rows_per_shard * BLOCK_ELEMENTS], shard4, WORLD, shard4.numel()),
+           dict(**fp4_constexprs, RESIDUAL=True, RESIDUAL_BF16=bf16_residual), blockscale._NUM_WARPS, no_fusion)
+          for suffix, carried, bf16_residual in residuals],
         ("dequantize e2m1->bf16 +stats", fp4._dequantize_blocks_kernel,
          (words4, layout.table, bf16.view(torch.int16), torch.empty(layout.n_blocks, 2)),
          dict(**fp4_constexprs, OUT_KIND=0, STATS=True, HW_CONVERT=True), blockscale._NUM_WARPS, no_fusion),

@@ -16,6 +16,14 @@ order, written where the layout puts each block.
 Each is one callable: the plain call, checked in full every time, and ``.prepare(...)``, checked and compiled once
 and run on the tensors each call passes (``prepared.py``), for the exchanges that run it every step.
 
+Error feedback keeps its residual (one per element; the reduce's, 128 per row of the shard) in float32 or in
+bfloat16, which halves its memory (training loss within run-to-run variation of float32's). Either is widened to
+float32 and added in float32; what is left is computed in float32 and stored as float32, or rounded once to
+bfloat16 (nearest, ties to even, as torch's ``.to(torch.bfloat16)``), with the same bits on every path (Triton,
+compiled CPU, torch). A non-finite block (through its values or its residual) is sent as NaN and its residual
+reset to +0 in either dtype; otherwise a residual is finite, or an infinity where a block's dequantized value
+overflowed float32, never a NaN. The residual's dtype is part of what a prepared call fixes.
+
 ``fmt`` picks the wire format: ``torch.float8_e4m3fn`` (the default) or ``torch.float8_e5m2``, whose rows are
 ``fp8.ROW_BYTES`` bytes, 128 codes and a float32 scale (``fp8.py``); or ``fp4.E2M1`` (``kernels.FP4_E2M1``), whose
 rows are ``fp4.ROW_BYTES`` bytes, 128 E2M1 codes two to a byte and a power-of-two scale byte per 32 elements
@@ -32,7 +40,7 @@ import torch
 
 from . import _triton, cpu_fp4, cpu_fp8, fp4
 from .blocks import BlockLayout
-from .convert import _convert, _load_fp32, _write_stats
+from .convert import _convert, _load_fp32, _store_fp32, _write_stats
 from .dtypes import BITS_DTYPE, OUT_KIND
 from .fp8 import BLOCK_ELEMENTS, FORMATS, ROW_BYTES, ROW_WORDS, Fp8Format, _decode, _quantize_block
 from .launch import Grid, KernelCall, run_call
@@ -51,7 +59,8 @@ if _triton.AVAILABLE:
     def _quantize_blocks_kernel(src, table, residual, rows, words, scale,
                                 BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
                                 APPLY_SCALE: tl.constexpr, SRC_BF16: tl.constexpr, RESIDUAL: tl.constexpr,
-                                MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_EXPONENT_OF: tl.constexpr):
+                                RESIDUAL_BF16: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                                MAX_EXPONENT_OF: tl.constexpr):
         """Program i quantizes row i of the table: (start, length) of one tensor's block in the bucket."""
         row = tl.program_id(0).to(tl.int64)
         start = tl.load(table + row * 2)
@@ -62,19 +71,19 @@ if _triton.AVAILABLE:
         if APPLY_SCALE:
             values = values * scale
         if RESIDUAL:
-            values = values + tl.load(residual + start + lanes, mask=mask, other=0.0)
+            values = values + _load_fp32(residual + start + lanes, mask, RESIDUAL_BF16, True)
         values = tl.where(mask, values, 0.0)
         codes, block_scale, dequantized, finite = _quantize_block(values, MANTISSA, BIAS, MAX_EXPONENT_OF)
         tl.store(rows + row * ROW_BYTES_ + lanes, codes.to(tl.uint8))
         tl.store(words + row * ROW_WORDS_ + (ROW_WORDS_ - 1), block_scale.to(tl.int32, bitcast=True))
         if RESIDUAL:
-            tl.store(residual + start + lanes, tl.where(finite, values - dequantized, 0.0), mask=mask)
+            _store_fp32(residual + start + lanes, tl.where(finite, values - dequantized, 0.0), mask, RESIDUAL_BF16)
 
     @triton.jit
     def _reduce_blocks_kernel(received, received_words, residual, out, out_words, n_ranks, rank_bytes, rank_words,
                               BLOCK: tl.constexpr, ROW_BYTES_: tl.constexpr, ROW_WORDS_: tl.constexpr,
-                              RESIDUAL: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                              MAX_EXPONENT_OF: tl.constexpr):
+                              RESIDUAL: tl.constexpr, RESIDUAL_BF16: tl.constexpr, MANTISSA: tl.constexpr,
+                              BIAS: tl.constexpr, MAX_EXPONENT_OF: tl.constexpr):
         """Program i sums row i of every rank's slice of ``received`` in float32, in rank order, and requantizes."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
@@ -89,12 +98,13 @@ if _triton.AVAILABLE:
             scale_ptr += rank_words
         values = total
         if RESIDUAL:
-            values = values + tl.load(residual + row * BLOCK + lanes)
+            values = values + _load_fp32(residual + row * BLOCK + lanes, None, RESIDUAL_BF16, False)
         codes, block_scale, dequantized, finite = _quantize_block(values, MANTISSA, BIAS, MAX_EXPONENT_OF)
         tl.store(out + row * ROW_BYTES_ + lanes, codes.to(tl.uint8))
         tl.store(out_words + row * ROW_WORDS_ + (ROW_WORDS_ - 1), block_scale.to(tl.int32, bitcast=True))
         if RESIDUAL:
-            tl.store(residual + row * BLOCK + lanes, tl.where(finite, values - dequantized, 0.0))
+            _store_fp32(residual + row * BLOCK + lanes, tl.where(finite, values - dequantized, 0.0), None,
+                        RESIDUAL_BF16)
 
     @triton.jit
     def _dequantize_blocks_kernel(rows, words, table, dst, partials,
@@ -173,9 +183,23 @@ def _check_rows(rows: torch.Tensor, n_rows: int, name: str, device: torch.device
         raise ValueError(f"{name} must be 4-byte aligned (its rows are read and written as 32-bit words)")
 
 
+#: The dtypes an error-feedback residual may be stored in (see ``quantize_blocks``).
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _check_residual(residual: Optional[torch.Tensor], numel: int, device: torch.device) -> None:
     if residual is not None:
-        check_vector(residual, "residual", numel=numel, dtypes=(torch.float32,), device=device)
+        check_vector(residual, "residual", numel=numel, dtypes=RESIDUAL_DTYPES, device=device)
+
+
+def _residual_arguments(residual: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
+    """(the kernel's residual argument, RESIDUAL, RESIDUAL_BF16): a bfloat16 residual goes as its int16 bits;
+    without one, ``fallback`` stands in (never read)."""
+    if residual is None:
+        return fallback, False, False
+    if residual.dtype == torch.bfloat16:
+        return residual.view(torch.int16), True, True
+    return residual, True, False
 
 
 # ---- each pass as a KernelCall for its tensors: run once (a plain call) or kept to repeat (a prepared call) -----
@@ -189,23 +213,25 @@ def _quantize_call(src, layout, rows, scale, fmt, residual, checked=True) -> Ker
         _check_rows(rows, layout.n_rows, "rows", src.device, row_bytes(fmt))
         _check_residual(residual, src.numel(), src.device)
         scale = check_scale(scale)
-    src_bf16 = src.dtype == torch.bfloat16
-    if spec is _FP4:
-        if not uses_triton(src.device):
+    if not uses_triton(src.device):
+        if spec is _FP4:
             return KernelCall(torch_path=cpu_fp4.quantize_pass(src, layout, rows, scale, residual))
-        args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
-                residual if residual is not None else rows, rows.view(torch.int32), scale)
+        return KernelCall(torch_path=cpu_fp8.quantize_pass(src, layout, rows, scale, spec, residual))
+    src_bf16 = src.dtype == torch.bfloat16
+    residual_arg, has_residual, residual_bf16 = _residual_arguments(residual, rows)
+    if spec is _FP4:
+        args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device), residual_arg,
+                rows.view(torch.int32), scale)
         constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS,
-                          APPLY_SCALE=scale != 1.0, SRC_BF16=src_bf16, RESIDUAL=residual is not None)
+                          APPLY_SCALE=scale != 1.0, SRC_BF16=src_bf16, RESIDUAL=has_residual,
+                          RESIDUAL_BF16=residual_bf16)
         return KernelCall(launch=(Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION), fp4._quantize_blocks_kernel, args,
                                   constexprs))
-    if not uses_triton(src.device):
-        return KernelCall(torch_path=cpu_fp8.quantize_pass(src, layout, rows, scale, spec, residual))
-    args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device),
-            residual if residual is not None else rows, rows, rows.view(torch.int32), scale)
+    args = (src.view(torch.int16) if src_bf16 else src, layout.table_on(src.device), residual_arg, rows,
+            rows.view(torch.int32), scale)
     constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, APPLY_SCALE=scale != 1.0,
-                      SRC_BF16=src_bf16, RESIDUAL=residual is not None, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
-                      MAX_EXPONENT_OF=spec.max_exponent)
+                      SRC_BF16=src_bf16, RESIDUAL=has_residual, RESIDUAL_BF16=residual_bf16,
+                      MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent)
     grid = Grid(layout.n_rows, _NUM_WARPS, _NO_FUSION)
     return KernelCall(launch=(grid, _quantize_blocks_kernel, args, constexprs))
 
@@ -222,21 +248,23 @@ def _reduce_call(received, n_ranks, out, fmt, residual, checked=True) -> KernelC
         _check_rows(out, rows_per_rank, "out", out.device, row_bytes(fmt))
         _check_rows(received, n_ranks * rows_per_rank, "received", out.device, row_bytes(fmt))
         _check_residual(residual, rows_per_rank * BLOCK_ELEMENTS, out.device)
-    if spec is _FP4:
-        if not uses_triton(out.device):
+    if not uses_triton(out.device):
+        if spec is _FP4:
             return KernelCall(torch_path=cpu_fp4.reduce_pass(received, n_ranks, out, residual))
-        args = (received.view(torch.int32), residual if residual is not None else out, out.view(torch.int32),
-                n_ranks, rows_per_rank * fp4.ROW_WORDS)
+        return KernelCall(torch_path=cpu_fp8.reduce_pass(received, n_ranks, out, spec, residual))
+    residual_arg, has_residual, residual_bf16 = _residual_arguments(residual, out)
+    if spec is _FP4:
+        args = (received.view(torch.int32), residual_arg, out.view(torch.int32), n_ranks,
+                rows_per_rank * fp4.ROW_WORDS)
         constexprs = dict(BLOCK=BLOCK_ELEMENTS, GROUP=fp4.GROUP_ELEMENTS, ROW_WORDS_=fp4.ROW_WORDS,
-                          RESIDUAL=residual is not None)
+                          RESIDUAL=has_residual, RESIDUAL_BF16=residual_bf16)
         return KernelCall(launch=(Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION), fp4._reduce_blocks_kernel, args,
                                   constexprs))
-    if not uses_triton(out.device):
-        return KernelCall(torch_path=cpu_fp8.reduce_pass(received, n_ranks, out, spec, residual))
-    args = (received, received.view(torch.int32), residual if residual is not None else out, out,
-            out.view(torch.int32), n_ranks, rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
-    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=residual is not None,
-                      MANTISSA=spec.mantissa_bits, BIAS=spec.bias, MAX_EXPONENT_OF=spec.max_exponent)
+    args = (received, received.view(torch.int32), residual_arg, out, out.view(torch.int32), n_ranks,
+            rows_per_rank * ROW_BYTES, rows_per_rank * ROW_WORDS)
+    constexprs = dict(BLOCK=BLOCK_ELEMENTS, ROW_BYTES_=ROW_BYTES, ROW_WORDS_=ROW_WORDS, RESIDUAL=has_residual,
+                      RESIDUAL_BF16=residual_bf16, MANTISSA=spec.mantissa_bits, BIAS=spec.bias,
+                      MAX_EXPONENT_OF=spec.max_exponent)
     grid = Grid(rows_per_rank, _NUM_WARPS, _NO_FUSION)
     return KernelCall(launch=(grid, _reduce_blocks_kernel, args, constexprs))
 
@@ -313,7 +341,8 @@ def quantize_blocks(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, 
     """Write the FP8 rows of ``src * scale`` (plus ``residual`` when given, which then receives what was lost).
 
     ``src`` is a flat bucket (float32, bfloat16 or float16) laid out as ``layout`` says; ``rows`` a uint8 tensor of
-    ``layout.n_rows * row_bytes(fmt)`` bytes; ``residual`` float32 of src's length, updated in place.
+    ``layout.n_rows * row_bytes(fmt)`` bytes; ``residual`` float32 or bfloat16 (``RESIDUAL_DTYPES``) of src's
+    length, updated in place: widened to add, what is left rounded once to its dtype (the module's docstring).
     """
     run_call(_quantize_call(src, layout, rows, scale, fmt, residual))
 
@@ -330,7 +359,8 @@ def _prepare_reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tens
 def reduce_blocks(received: torch.Tensor, n_ranks: int, out: torch.Tensor, *,
                   fmt: Any = torch.float8_e4m3fn, residual: Optional[torch.Tensor] = None) -> None:
     """``out`` <- the requantized float32 sum of the ``n_ranks`` row slices of ``received`` (one per rank, each as
-    many rows as ``out``), plus ``residual`` (float32, 128 per row) when given, which then receives what was lost."""
+    many rows as ``out``), plus ``residual`` (float32 or bfloat16, 128 per row) when given, which then receives what
+    was lost, rounded once to its dtype."""
     run_call(_reduce_call(received, n_ranks, out, fmt, residual))
 
 

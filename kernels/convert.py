@@ -60,6 +60,16 @@ if _triton.AVAILABLE:
         return raw.to(tl.float32)
 
     @triton.jit
+    def _store_fp32(ptr, x, mask, DST_BF16: tl.constexpr):
+        """Store float32 values as they are, or rounded once to bfloat16 (nearest, ties to even; NaN as 0x7FC0)
+        through the destination's int16 bits: integer arithmetic on every path, so the GPU's bits are the
+        interpreter's and the CPU passes'."""
+        if DST_BF16:
+            tl.store(ptr, _fp32_to_bf16_bits(x), mask=mask)
+        else:
+            tl.store(ptr, x, mask=mask)
+
+    @triton.jit
     def _convert(x, scale, APPLY_SCALE: tl.constexpr, OUT_KIND: tl.constexpr, HW_CONVERT: tl.constexpr):
         """float32 values -> (destination bit pattern, float32 value of what is stored).
 

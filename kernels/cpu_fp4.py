@@ -99,9 +99,9 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
 
 
 def _disagreement(passes: native_cpu.WirePasses) -> Optional[str]:
-    """Where the compiled passes' bits differ from the torch passes' (quantize with error feedback and at scale 1
-    without, a reduce over three ranks, dequantize to float32 and bfloat16, a sum of blocks over three ranks), or
-    None."""
+    """Where the compiled passes' bits differ from the torch passes' (quantize with error feedback in float32 and in
+    bfloat16 and at scale 1 without, a reduce over three ranks with each residual, dequantize to float32 and
+    bfloat16, a sum of blocks over three ranks), or None."""
     from .blocks import block_layout
 
     n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
@@ -133,10 +133,23 @@ def _disagreement(passes: native_cpu.WirePasses) -> Optional[str]:
             torch_fp4.dequantize_pass(rows, layout, dst16, None, True)()
             torch_fp4.quantize_pass(src, layout, plain, 1.0, None)()
             torch_fp4.sum_blocks_pass(all_rows, ranks, layout, summed)()
+        # Error feedback again with bfloat16 residuals: widened to add, rounded once to store.
+        residual16 = (_self_check_values(n, seed=4) * 2.0**-10).bfloat16()
+        shard16 = (_self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=5) * 2.0**-12).bfloat16()
+        rows16, out16 = torch.zeros_like(rows), torch.zeros_like(out)
+        if native:
+            cpu_fp8._compiled_quantize(passes, src, layout, rows16, 0.5, residual16, ROW_BYTES)()
+            cpu_fp8._compiled_reduce(passes, received, ranks, out16, shard16, ROW_BYTES)()
+        else:
+            torch_fp4.quantize_pass(src, layout, rows16, 0.5, residual16)()
+            torch_fp4.reduce_pass(received, ranks, out16, shard16)()
+        bf16_results = {"rows with a bfloat16 residual": rows16, "bfloat16 residual": residual16.view(torch.int16),
+                        "reduced rows with a bfloat16 residual": out16,
+                        "reduce's bfloat16 residual": shard16.view(torch.int16)}
         results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
                         "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
                         "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain,
-                        "sum of blocks": summed.view(torch.int32)})
+                        "sum of blocks": summed.view(torch.int32), **bf16_results})
     for what, got in results[0].items():
         if not torch.equal(got, results[1][what]):
             return f"E2M1: the {what}"

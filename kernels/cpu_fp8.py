@@ -108,8 +108,8 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
 
 def _disagreement(passes: native_cpu.WirePasses, fmt: Fp8Format) -> Optional[str]:
     """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
-    error feedback and at scale 1 without, a reduce over three ranks, dequantize to float32 and bfloat16 with
-    canonical NaNs), or None."""
+    error feedback in float32 and in bfloat16 and at scale 1 without, a reduce over three ranks with each residual,
+    dequantize to float32 and bfloat16 with canonical NaNs), or None."""
     from .blocks import block_layout
 
     n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
@@ -138,9 +138,23 @@ def _disagreement(passes: native_cpu.WirePasses, fmt: Fp8Format) -> Optional[str
             torch_wire.dequantize_pass(rows, layout, dst, fmt, None, True)()
             torch_wire.dequantize_pass(rows, layout, dst16, fmt, None, True)()
             torch_wire.quantize_pass(src, layout, plain, 1.0, fmt, None)()
+        # Error feedback again with bfloat16 residuals: widened to add, rounded once to store.
+        residual16 = (_self_check_values(n, seed=4) * 2.0**-10).bfloat16()
+        shard16 = (_self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=5) * 2.0**-12).bfloat16()
+        rows16, out16 = torch.zeros_like(rows), torch.zeros_like(out)
+        if native:
+            _compiled_quantize(passes, src, layout, rows16, 0.5, residual16)()
+            _compiled_reduce(passes, received, ranks, out16, shard16)()
+        else:
+            torch_wire.quantize_pass(src, layout, rows16, 0.5, fmt, residual16)()
+            torch_wire.reduce_pass(received, ranks, out16, fmt, shard16)()
+        bf16_results = {"rows with a bfloat16 residual": rows16, "bfloat16 residual": residual16.view(torch.int16),
+                        "reduced rows with a bfloat16 residual": out16,
+                        "reduce's bfloat16 residual": shard16.view(torch.int16)}
         results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
                         "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
-                        "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain})
+                        "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain,
+                        **bf16_results})
     for what, got in results[0].items():
         if not torch.equal(got, results[1][what]):
             return f"{fmt.dtype}: the {what}"
@@ -152,6 +166,13 @@ def _keeping(call: Callable[[], None], *tensors: Optional[torch.Tensor]) -> Call
     as the pass does (as the torch passes' views keep theirs)."""
     call.keeps = tensors  # type: ignore[attr-defined]
     return call
+
+
+def _residual_at(residual: Optional[torch.Tensor]) -> Tuple[Optional[int], int]:
+    """(address or None, 1 for a bfloat16 residual else 0): how the C passes take a residual."""
+    if residual is None:
+        return None, 0
+    return residual.data_ptr(), int(residual.dtype == torch.bfloat16)
 
 
 def _row_spans(layout: BlockLayout) -> Tuple[Tuple[int, int, int, int], ...]:
@@ -167,15 +188,15 @@ def _compiled_quantize(passes: native_cpu.WirePasses, src: torch.Tensor, layout:
     float32 bucket; a 16-bit one is widened step by step into a float32 scratch buffer that stays in cache (the
     kernel widens, then multiplies). ``row_bytes``: the format's (``cpu_fp4`` shares these wrappers)."""
     apply_scale = int(scale != 1.0)
-    residual_at = residual.data_ptr() if residual is not None else None
+    residual_at, residual_bf16 = _residual_at(residual)
     table = layout.table
     if src.dtype == torch.float32:
         arguments = (src.data_ptr(), 0, table.data_ptr(), layout.n_rows, scale, apply_scale, residual_at,
-                     rows.data_ptr())
+                     residual_bf16, rows.data_ptr())
         return _keeping(lambda: passes.quantize(*arguments), src, rows, residual, table)
     wide = torch.empty(min(CHUNK_ROWS, layout.n_rows) * BLOCK_ELEMENTS, dtype=torch.float32, device=src.device)
     steps = [(src[e0:e1], wide[: e1 - e0], (wide.data_ptr(), e0, table.data_ptr() + 16 * r0, r1 - r0, scale,
-                                            apply_scale, residual_at, rows.data_ptr() + row_bytes * r0))
+                                            apply_scale, residual_at, residual_bf16, rows.data_ptr() + row_bytes * r0))
              for r0, r1, e0, e1 in _row_spans(layout)]
 
     def run() -> None:
@@ -188,8 +209,8 @@ def _compiled_quantize(passes: native_cpu.WirePasses, src: torch.Tensor, layout:
 
 def _compiled_reduce(passes: native_cpu.WirePasses, received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
                      residual: Optional[torch.Tensor], row_bytes: int = ROW_BYTES) -> Callable[[], None]:
-    arguments = (received.data_ptr(), out_rows.numel() // row_bytes, n_ranks,
-                 residual.data_ptr() if residual is not None else None, out_rows.data_ptr())
+    arguments = (received.data_ptr(), out_rows.numel() // row_bytes, n_ranks, *_residual_at(residual),
+                 out_rows.data_ptr())
     return _keeping(lambda: passes.reduce(*arguments), received, out_rows, residual)
 
 

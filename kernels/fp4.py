@@ -22,7 +22,7 @@ and the same little-endian bytes on every path.
 import torch
 
 from . import _triton
-from .convert import _convert, _load_fp32, _write_stats
+from .convert import _convert, _load_fp32, _store_fp32, _write_stats
 from .fp8 import BLOCK_ELEMENTS
 
 triton, tl = _triton.triton, _triton.tl
@@ -127,7 +127,8 @@ if _triton.AVAILABLE:
     @triton.jit
     def _quantize_blocks_kernel(src, table, residual, words, scale,
                                 BLOCK: tl.constexpr, GROUP: tl.constexpr, ROW_WORDS_: tl.constexpr,
-                                APPLY_SCALE: tl.constexpr, SRC_BF16: tl.constexpr, RESIDUAL: tl.constexpr):
+                                APPLY_SCALE: tl.constexpr, SRC_BF16: tl.constexpr, RESIDUAL: tl.constexpr,
+                                RESIDUAL_BF16: tl.constexpr):
         """Program i quantizes row i of the table: (start, length) of one tensor's block in the bucket."""
         row = tl.program_id(0).to(tl.int64)
         start = tl.load(table + row * 2)
@@ -138,17 +139,17 @@ if _triton.AVAILABLE:
         if APPLY_SCALE:
             values = values * scale
         if RESIDUAL:
-            values = values + tl.load(residual + start + lanes, mask=mask, other=0.0)
+            values = values + _load_fp32(residual + start + lanes, mask, RESIDUAL_BF16, True)
         values = tl.where(mask, values, 0.0)
         code_words, scale_words, dequantized, finite = _quantize_block(values, BLOCK, GROUP)
         _store_row(words + row * ROW_WORDS_, code_words, scale_words, BLOCK, GROUP)
         if RESIDUAL:
-            tl.store(residual + start + lanes, tl.where(finite, values - dequantized, 0.0), mask=mask)
+            _store_fp32(residual + start + lanes, tl.where(finite, values - dequantized, 0.0), mask, RESIDUAL_BF16)
 
     @triton.jit
     def _reduce_blocks_kernel(received, residual, out, n_ranks, rank_words,
                               BLOCK: tl.constexpr, GROUP: tl.constexpr, ROW_WORDS_: tl.constexpr,
-                              RESIDUAL: tl.constexpr):
+                              RESIDUAL: tl.constexpr, RESIDUAL_BF16: tl.constexpr):
         """Program i sums row i of every rank's slice of ``received`` in float32, in rank order from +0, and
         requantizes."""
         row = tl.program_id(0).to(tl.int64)
@@ -160,11 +161,12 @@ if _triton.AVAILABLE:
             row_words += rank_words  # the same row in the next rank's slice
         values = total
         if RESIDUAL:
-            values = values + tl.load(residual + row * BLOCK + lanes)
+            values = values + _load_fp32(residual + row * BLOCK + lanes, None, RESIDUAL_BF16, False)
         code_words, scale_words, dequantized, finite = _quantize_block(values, BLOCK, GROUP)
         _store_row(out + row * ROW_WORDS_, code_words, scale_words, BLOCK, GROUP)
         if RESIDUAL:
-            tl.store(residual + row * BLOCK + lanes, tl.where(finite, values - dequantized, 0.0))
+            _store_fp32(residual + row * BLOCK + lanes, tl.where(finite, values - dequantized, 0.0), None,
+                        RESIDUAL_BF16)
 
     @triton.jit
     def _dequantize_blocks_kernel(words, table, dst, partials,

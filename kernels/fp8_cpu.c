@@ -9,6 +9,11 @@
  * Rows are 132 bytes: 128 codes, then the block's scale as a float32 (kernels/fp8.py). Where each row's elements
  * lie in the bucket comes from the layout's block table, (first element, length) per row, as the kernels read it:
  * each tensor has its own blocks, its last one short, and padding rows have length 0.
+ *
+ * The error-feedback residual is float32 or bfloat16 (residual_bf16): a bfloat16 one is widened exactly to add and
+ * what is left, computed in float32 as for a float32 one, is rounded once to store (nearest, ties to even, as
+ * kernels/convert.py's _fp32_to_bf16_bits). Each pass is compiled once per residual dtype, so the float32 one keeps
+ * its loops.
  */
 
 #include <stdint.h>
@@ -24,6 +29,13 @@ INLINE uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 INLINE float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE float power_of_two(int32_t e) { return float_of((uint32_t)(e + 127) << 23); }
 INLINE float row_scale(const uint8_t *row) { float s; memcpy(&s, row + BLOCK, 4); return s; }
+INLINE float widen_bf16(uint16_t h) { return float_of((uint32_t)h << 16); }
+/* float32 -> bfloat16 bits, nearest-even (a carry out of the mantissa bumps the exponent); NaN: 0x7FC0. */
+INLINE uint16_t round_to_bf16(float f) {
+    uint32_t u = bits_of(f);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
 
 /* float32 with |v| <= the format's largest finite value -> its code, nearest-even (fp8.py's _encode). */
 INLINE uint32_t encode(float v, const int M, const int BIAS) {
@@ -94,19 +106,29 @@ INLINE void quantize_block(const float *values, uint8_t *row, float *left, const
 }
 
 INLINE void quantize(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
-                     int apply_scale, float *residual, uint8_t *rows, const int M, const int BIAS,
-                     const int MAX_EXPONENT_OF) {
-    float values[BLOCK], left[BLOCK];
+                     int apply_scale, void *residual_at, uint8_t *rows, const int M, const int BIAS,
+                     const int MAX_EXPONENT_OF, const int RESIDUAL_BF16) {
+    float values[BLOCK], left[BLOCK], widened[BLOCK];
+    float *residual32 = RESIDUAL_BF16 ? NULL : (float *)residual_at;
+    uint16_t *residual16 = RESIDUAL_BF16 ? (uint16_t *)residual_at : NULL;
     for (int64_t r = 0; r < n_rows; r++) {
         int64_t start = table[2 * r], length = table[2 * r + 1];
         const float *x = length > 0 ? src + (start - src_offset) : src;  /* a padding row reads nothing */
+        const float *residual = NULL;  /* this block's residual as float32 */
+        if (residual16) {
+            for (int64_t i = 0; i < length; i++)
+                widened[i] = widen_bf16(residual16[start + i]);
+            residual = widened;
+        } else if (residual32) {
+            residual = residual32 + start;
+        }
         if (length == BLOCK) {  /* the kernel's order: widened value * scale, then + residual */
             if (apply_scale && residual)
-                for (int i = 0; i < BLOCK; i++) values[i] = x[i] * scale + residual[start + i];
+                for (int i = 0; i < BLOCK; i++) values[i] = x[i] * scale + residual[i];
             else if (apply_scale)
                 for (int i = 0; i < BLOCK; i++) values[i] = x[i] * scale;
             else if (residual)
-                for (int i = 0; i < BLOCK; i++) values[i] = x[i] + residual[start + i];
+                for (int i = 0; i < BLOCK; i++) values[i] = x[i] + residual[i];
             else
                 memcpy(values, x, sizeof(values));
         } else {  /* a tensor's short last block, or a padding row (length 0): zeros past its end */
@@ -117,23 +139,26 @@ INLINE void quantize(const float *src, int64_t src_offset, const int64_t *table,
                 if (apply_scale)
                     v = v * scale;
                 if (residual)
-                    v = v + residual[start + i];
+                    v = v + residual[i];
                 values[i] = v;
             }
         }
-        if (residual && length == BLOCK) {
-            quantize_block(values, rows + r * ROW_BYTES, residual + start, M, BIAS, MAX_EXPONENT_OF);
+        if (residual32 && length == BLOCK) {
+            quantize_block(values, rows + r * ROW_BYTES, residual32 + start, M, BIAS, MAX_EXPONENT_OF);
         } else {
             quantize_block(values, rows + r * ROW_BYTES, residual ? left : NULL, M, BIAS, MAX_EXPONENT_OF);
-            if (residual && length > 0)
-                memcpy(residual + start, left, (size_t)length * sizeof(float));
+            if (residual16)
+                for (int64_t i = 0; i < length; i++)
+                    residual16[start + i] = round_to_bf16(left[i]);
+            else if (residual32 && length > 0)
+                memcpy(residual32 + start, left, (size_t)length * sizeof(float));
         }
     }
 }
 
-INLINE void reduce(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, float *residual, uint8_t *out,
-                   const int M, const int BIAS, const int MAX_EXPONENT_OF) {
-    float total[BLOCK];
+INLINE void reduce(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, void *residual_at,
+                   uint8_t *out, const int M, const int BIAS, const int MAX_EXPONENT_OF, const int RESIDUAL_BF16) {
+    float total[BLOCK], left[BLOCK];
     for (int64_t r = 0; r < rows_per_rank; r++) {
         for (int i = 0; i < BLOCK; i++)
             total[i] = 0.0f;  /* +0: a -0 from every rank sums to +0, as in the kernel */
@@ -143,7 +168,16 @@ INLINE void reduce(const uint8_t *received, int64_t rows_per_rank, int64_t n_ran
             for (int i = 0; i < BLOCK; i++)
                 total[i] = total[i] + decode(row[i], M, BIAS) * scale;  /* an exact product: one rounding */
         }
-        float *block_residual = residual ? residual + r * BLOCK : NULL;
+        if (RESIDUAL_BF16 && residual_at) {
+            uint16_t *block_residual = (uint16_t *)residual_at + r * BLOCK;
+            for (int i = 0; i < BLOCK; i++)
+                total[i] = total[i] + widen_bf16(block_residual[i]);
+            quantize_block(total, out + r * ROW_BYTES, left, M, BIAS, MAX_EXPONENT_OF);
+            for (int i = 0; i < BLOCK; i++)
+                block_residual[i] = round_to_bf16(left[i]);
+            continue;
+        }
+        float *block_residual = residual_at ? (float *)residual_at + r * BLOCK : NULL;
         if (block_residual)
             for (int i = 0; i < BLOCK; i++)
                 total[i] = total[i] + block_residual[i];
@@ -174,22 +208,39 @@ INLINE void dequantize(const uint8_t *rows, const int64_t *table, int64_t n_rows
 
 /* rows <- the blocks of src * scale (+ residual), each row's (first element, length) in table (n_rows pairs; a
  * short block is zero past its end); residual <- what the rounding left out. src holds the bucket's elements from
- * src_offset on; residual the whole bucket. */
+ * src_offset on; residual the whole bucket, float32 or (residual_bf16) bfloat16. */
 void ddpt_quantize_e4m3(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
-                        int apply_scale, float *residual, uint8_t *rows) {
-    quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 3, 7, 8);
+                        int apply_scale, void *residual, int residual_bf16, uint8_t *rows) {
+    if (residual_bf16)
+        quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 3, 7, 8, 1);
+    else
+        quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 3, 7, 8, 0);
 }
 void ddpt_quantize_e5m2(const float *src, int64_t src_offset, const int64_t *table, int64_t n_rows, float scale,
-                        int apply_scale, float *residual, uint8_t *rows) {
-    quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 2, 15, 15);
+                        int apply_scale, void *residual, int residual_bf16, uint8_t *rows) {
+    if (residual_bf16)
+        quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 2, 15, 15, 1);
+    else
+        quantize(src, src_offset, table, n_rows, scale, apply_scale, residual, rows, 2, 15, 15, 0);
 }
 
 /* out <- the requantized sum, in float32 from +0 in rank order, of n_ranks copies of rows_per_rank rows laid rank
- * after rank in received (+ residual, 128 per row); residual <- what the rounding left out. */
-void ddpt_reduce_e4m3(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, float *residual,
-                      uint8_t *out) { reduce(received, rows_per_rank, n_ranks, residual, out, 3, 7, 8); }
-void ddpt_reduce_e5m2(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, float *residual,
-                      uint8_t *out) { reduce(received, rows_per_rank, n_ranks, residual, out, 2, 15, 15); }
+ * after rank in received (+ residual, 128 per row, float32 or (residual_bf16) bfloat16); residual <- what the
+ * rounding left out. */
+void ddpt_reduce_e4m3(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, void *residual,
+                      int residual_bf16, uint8_t *out) {
+    if (residual_bf16)
+        reduce(received, rows_per_rank, n_ranks, residual, out, 3, 7, 8, 1);
+    else
+        reduce(received, rows_per_rank, n_ranks, residual, out, 3, 7, 8, 0);
+}
+void ddpt_reduce_e5m2(const uint8_t *received, int64_t rows_per_rank, int64_t n_ranks, void *residual,
+                      int residual_bf16, uint8_t *out) {
+    if (residual_bf16)
+        reduce(received, rows_per_rank, n_ranks, residual, out, 2, 15, 15, 1);
+    else
+        reduce(received, rows_per_rank, n_ranks, residual, out, 2, 15, 15, 0);
+}
 
 /* dst <- the values of n_rows rows, each where table (first element, length) says; dst holds the bucket's
  * elements from dst_offset on. NaNs canonical if asked. */

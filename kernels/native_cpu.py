@@ -55,9 +55,10 @@ class WirePasses:
     """The three passes of one block-scaled format, as C functions taking addresses (``tensor.data_ptr()``); the
     same arguments in every format, rows of the format's size.
 
-    - ``quantize(src, src_offset, table, n_rows, scale, apply_scale, residual_or_None, rows)``: float32 src
-      holding the bucket from element ``src_offset`` on, ``table`` a layout's int64 (start, length) rows;
-    - ``reduce(received, rows_per_rank, n_ranks, residual_or_None, out)``;
+    - ``quantize(src, src_offset, table, n_rows, scale, apply_scale, residual_or_None, residual_bf16, rows)``:
+      float32 src holding the bucket from element ``src_offset`` on, ``table`` a layout's int64 (start, length)
+      rows, the residual float32 or (``residual_bf16`` 1) bfloat16;
+    - ``reduce(received, rows_per_rank, n_ranks, residual_or_None, residual_bf16, out)``;
     - ``dequantize(rows, table, n_rows, dst, dst_offset, canonical_nan)``: float32 dst from ``dst_offset`` on.
     """
 
@@ -93,9 +94,10 @@ def library() -> Optional[Dict[str, WirePasses]]:
     passes = {}
     for name in FORMAT_NAMES:
         quantize = getattr(lib, f"ddpt_quantize_{name}")
-        quantize.argtypes = [address, size, address, size, ctypes.c_float, ctypes.c_int, address, address]
+        quantize.argtypes = [address, size, address, size, ctypes.c_float, ctypes.c_int, address, ctypes.c_int,
+                             address]
         reduce = getattr(lib, f"ddpt_reduce_{name}")
-        reduce.argtypes = [address, size, size, address, address]
+        reduce.argtypes = [address, size, size, address, ctypes.c_int, address]
         dequantize = getattr(lib, f"ddpt_dequantize_{name}")
         dequantize.argtypes = [address, address, size, address, size, ctypes.c_int]
         for fn in (quantize, reduce, dequantize):

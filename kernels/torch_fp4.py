@@ -92,7 +92,8 @@ def _grid(values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float,
                   residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out."""
+    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out (float32, or
+    bfloat16: widened to add, rounded once to store)."""
 
     def run() -> None:
         x = src.float()  # widened, then multiplied in float32, as the kernel
@@ -105,7 +106,10 @@ def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, sc
         write_rows(rows, codes, scale_bytes)
         if residual is not None:
             left = (grid - dequantized).masked_fill_(~finite[:, None], 0.0)
-            torch.index_select(left.view(-1), 0, layout.positions(), out=residual)
+            if residual.dtype == torch.float32:
+                torch.index_select(left.view(-1), 0, layout.positions(), out=residual)
+            else:  # bfloat16: rounded once, to nearest even
+                residual.copy_(torch.index_select(left.view(-1), 0, layout.positions()))
 
     return run
 
@@ -113,7 +117,7 @@ def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, sc
 def reduce_pass(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """out_rows <- the requantized sum, in float32 and rank order from +0, of the ranks' copies of this shard's rows
-    (+ the residual); residual <- what the rounding left out."""
+    (+ the residual, float32 or bfloat16); residual <- what the rounding left out, rounded once where bfloat16."""
     per_rank = out_rows.numel() // ROW_BYTES
     step = per_rank * ROW_BYTES
 

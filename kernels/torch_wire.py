@@ -139,8 +139,9 @@ def _row_chunks(n_rows: int, n_elements: int) -> List[Tuple[int, int, int, int]]
 
 def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, scale: float, fmt: Fp8Format,
                   residual: Optional[torch.Tensor]) -> Callable[[], None]:
-    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out. On an aligned
-    layout a call allocates nothing and holds a few MiB of scratch; otherwise it allocates per call."""
+    """rows <- the blocks of ``src * scale (+ residual)``; residual <- what the rounding left out (float32, or
+    bfloat16: widened to add, rounded once to store). On an aligned layout a call allocates nothing and holds a few
+    MiB of scratch; otherwise it allocates per call."""
     if not _aligned(layout):
         return lambda: _quantize_scattered(src, layout, rows, scale, fmt, residual)
     device, chunk_rows = src.device, min(CHUNK_ROWS, layout.n_rows)
@@ -151,14 +152,15 @@ def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, sc
     widen = src.dtype != torch.float32
     steps = []
     for r0, r1, e0, e1 in _row_chunks(layout.n_rows, layout.n_elements):
-        whole = e1 - e0 == (r1 - r0) * BLOCK_ELEMENTS  # no padding in this step: the residual is written directly
+        # No padding in this step and a float32 residual: what is left is written into the residual directly.
+        direct = e1 - e0 == (r1 - r0) * BLOCK_ELEMENTS and left is not None and residual.dtype == torch.float32
         steps.append((src[e0:e1], None if residual is None else residual[e0:e1], x[: r1 - r0],
                       x.view(-1)[: e1 - e0], x.view(-1)[e1 - e0:(r1 - r0) * BLOCK_ELEMENTS], codes[r0:r1],
                       scales[r0:r1], None if left is None else (
-                          residual[e0:e1].view(-1, BLOCK_ELEMENTS) if whole else left[: r1 - r0]), whole))
+                          residual[e0:e1].view(-1, BLOCK_ELEMENTS) if direct else left[: r1 - r0]), direct))
 
     def run() -> None:
-        for part, res, grid, flat, padding, part_codes, part_scales, left_rows, whole in steps:
+        for part, res, grid, flat, padding, part_codes, part_scales, left_rows, direct in steps:
             if widen:  # the kernel widens, then multiplies in float32
                 flat.copy_(part)
                 if scale != 1.0:
@@ -171,8 +173,8 @@ def quantize_pass(src: torch.Tensor, layout: BlockLayout, rows: torch.Tensor, sc
                 flat.add_(res)
             padding.zero_()
             quantize(grid, part_codes, part_scales, left_rows)
-            if res is not None and not whole:
-                res.copy_(left_rows.view(-1)[: res.numel()])
+            if res is not None and not direct:
+                res.copy_(left_rows.view(-1)[: res.numel()])  # to a bfloat16 residual: rounded to nearest even
 
     return run
 
@@ -192,14 +194,17 @@ def _quantize_scattered(src: torch.Tensor, layout: BlockLayout, rows: torch.Tens
     codes, scales = _split_rows(rows)
     left = torch.empty_like(values) if residual is not None else None
     _RowQuantizer(fmt, layout.n_rows, src.device)(values, codes, scales, left)
-    if residual is not None:
+    if residual is not None and residual.dtype == torch.float32:
         torch.index_select(left.view(-1), 0, positions, out=residual)
+    elif residual is not None:
+        residual.copy_(torch.index_select(left.view(-1), 0, positions))
 
 
 def reduce_pass(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fmt: Fp8Format,
                 residual: Optional[torch.Tensor]) -> Callable[[], None]:
     """out_rows <- the requantized sum, in float32 and rank order, of the ranks' copies of this shard's rows (+ the
-    residual); residual <- what the rounding left out. A call allocates nothing."""
+    residual, float32 or bfloat16); residual <- what the rounding left out, rounded once where bfloat16. A call
+    allocates nothing."""
     codes, scales = _split_rows(received)
     per_rank = codes.shape[0] // n_ranks
     out_codes, out_scales = _split_rows(out_rows)
@@ -209,23 +214,30 @@ def reduce_pass(received: torch.Tensor, n_ranks: int, out_rows: torch.Tensor, fm
     decode = _Decoder(fmt, chunk_rows, device)
     quantize = _RowQuantizer(fmt, chunk_rows, device)
     grid_residual = None if residual is None else residual.view(per_rank, BLOCK_ELEMENTS)
+    # A bfloat16 residual: what is left goes to a float32 scratch first, then is rounded once into the residual.
+    left = torch.empty_like(total) if residual is not None and residual.dtype != torch.float32 else None
     steps = []
     for r0, r1, _, _ in _row_chunks(per_rank, per_rank * BLOCK_ELEMENTS):
         parts = [(codes[r * per_rank + r0:r * per_rank + r1], scales[r * per_rank + r0:r * per_rank + r1, None])
                  for r in range(n_ranks)]
         steps.append((parts, total[: r1 - r0], decoded[: r1 - r0], out_codes[r0:r1], out_scales[r0:r1],
-                      None if grid_residual is None else grid_residual[r0:r1]))
+                      None if grid_residual is None else grid_residual[r0:r1],
+                      None if left is None else left[: r1 - r0]))
 
     def run() -> None:
-        for parts, part_total, part_decoded, part_codes, part_scales, part_residual in steps:
+        for parts, part_total, part_decoded, part_codes, part_scales, part_residual, part_left in steps:
             part_total.zero_()  # the kernel's sum starts at +0.0, so a -0.0 from every rank sums to +0.0
             for rank_codes, rank_scales in parts:
                 decode(rank_codes, part_decoded)
                 part_decoded.mul_(rank_scales)  # rounded, then added, as the kernel does (whatever the scale)
                 part_total.add_(part_decoded)
             if part_residual is not None:
-                part_total.add_(part_residual)
-            quantize(part_total, part_codes, part_scales, part_residual)
+                part_total.add_(part_residual)  # a bfloat16 residual widened exactly, added in float32
+            if part_left is None:
+                quantize(part_total, part_codes, part_scales, part_residual)
+            else:
+                quantize(part_total, part_codes, part_scales, part_left)
+                part_residual.copy_(part_left)
 
     return run
 

@@ -70,6 +70,13 @@ def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, fi
     return averaged
 
 
+def error_feedback(values: torch.Tensor, fmt) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(what one tensor's float32 ``values`` are sent as, what error feedback keeps: values - sent in float32, zero
+    in a block sent as NaN), block by block in ``fmt`` (FP8 or E2M1)."""
+    sent = quantize_dequantize(values, fmt)
+    return sent, _left_over(values, sent)
+
+
 def _left_over(value: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     """value - sent, block by block; zero for a block sent as NaN (a non-finite block resets its residual)."""
     left = value - sent

@@ -122,7 +122,8 @@ def test_no_spills_and_registers_within_bounds(reports):
 WIRE_REGISTER_CEILING = 40
 # E2M1's quantize and reduce pack the 4-bit codes eight to a word: LLVM narrows the codes to 4-bit integers and moves
 # a vector of them through 2 bytes of local memory (ptxas reports 8 bytes of stack; no spill). Triton 3.8, sm_90.
-WIRE_STACK_CEILING = {"quantize fp32->e2m1 +ef": 8, "reduce e2m1 x8 +ef": 8}
+# With the residual in bfloat16 the quantize keeps them (8 bytes), the reduce does not (0).
+WIRE_STACK_CEILING = {"quantize fp32->e2m1 +ef": 8, "reduce e2m1 x8 +ef": 8, "quantize fp32->e2m1 +ef bf16": 8}
 
 
 @pytest.fixture(scope="module")
