@@ -40,3 +40,31 @@ def _fold(rank, world_size):
 
 def test_a_bucket_without_error_feedback_takes_every_ranks_residuals_once():
     run_workers(_fold, 2)
+
+
+def _snapshot_and_regroup(rank, world_size):
+    store, group = ResidualStore(), dist.group.WORLD
+    sizes = (300, 212)
+    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    held.first.fill_(float(rank + 1))
+    held.second.fill_(0.5)
+    saved = store.snapshot()
+    held.first.add_(3.0)  # a step that is then thrown away
+    held.second.zero_()
+    store.restore(saved)
+    assert torch.equal(held.first, torch.full_like(held.first, float(rank + 1)))
+    assert torch.equal(held.second, torch.full_like(held.second, 0.5))
+    # The group changes (a peer gone): nothing collective; each rank keeps its first stage and its own second rows.
+    whole_before = held.whole_second(None)
+    store.release_locally()
+    assert not held.alive and not store.layouts
+    again = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], None, torch.device("cpu"), shard=rank)
+    assert torch.equal(again.first, torch.full_like(again.first, float(rank + 1))[:again.first.numel()])
+    # the same layout and shard: this rank owns again exactly the rows it held
+    assert torch.equal(again.whole_second(None), whole_before)
+    store.zero()
+    assert not again.first.any() and not again.second.any() and not store.pending_first
+
+
+def test_a_thrown_away_step_is_restored_and_a_new_group_takes_what_each_rank_held():
+    run_workers(_snapshot_and_regroup, 2)
