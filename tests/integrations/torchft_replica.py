@@ -39,7 +39,7 @@ def residual_digest(model) -> str:
     for key in sorted(state.residuals.layouts, key=str):
         held = state.residuals.layouts[key]
         for t in (held.first, held.second):
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())  # any dtype's bits
     return h.hexdigest()[:16]
 
 
