@@ -46,7 +46,8 @@ def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, fi
                 second: List[torch.Tensor] = None, scale: float = None) -> List[torch.Tensor]:
     """The average of each tensor over ranks as FP8 with float32 sums: quantize each rank's ``g / N (+ its first
     residual)``, sum the dequantized values in rank order, add the second residual, quantize again. With residual
-    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does. ``scale``:
+    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does, each kept in
+    bfloat16 as the runtime keeps it (``kept``). ``scale``:
     what g is multiplied by instead of 1 / N (1.0 for values already divided)."""
     n = len(per_rank)
     scale = 1.0 / n if scale is None else scale
@@ -59,15 +60,20 @@ def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, fi
                 value = value + first[r][i]
             sent = quantize_dequantize(value, fmt)
             if first is not None:
-                first[r][i] = _left_over(value, sent)
+                first[r][i] = kept(_left_over(value, sent))
             total = total + sent
         if second is not None:
             total = total + second[i]
         result = quantize_dequantize(total, fmt)
         if second is not None:
-            second[i] = _left_over(total, result)
+            second[i] = kept(_left_over(total, result))
         averaged.append(result)
     return averaged
+
+
+def kept(residual: torch.Tensor) -> torch.Tensor:
+    """A float32 residual as the runtime keeps it between steps: rounded once to bfloat16 (to nearest even)."""
+    return residual.to(torch.bfloat16).float()
 
 
 def error_feedback(values: torch.Tensor, fmt) -> Tuple[torch.Tensor, torch.Tensor]:

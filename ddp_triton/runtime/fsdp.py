@@ -74,7 +74,7 @@ from .prepared_calls import PreparedCalls
 from .fsdp_online import FSDPTuning, TunedReduceScatter
 from .fsdp_state import FSDPCommState, param_groups
 from .online import DEFAULT_ONLINE_FORMATS, OnlineTuner, check_tune_options
-from .residuals import LayoutResiduals
+from .residuals import RESIDUAL_DTYPE, LayoutResiduals
 
 try:  # torch >= 2.9 has FSDP2's custom collectives
     from torch.distributed.fsdp import FSDPModule
@@ -111,7 +111,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         self.row_layout: Optional[BlockLayout] = None
         """FP8: the blocks of one row."""
         self.residual: Optional[torch.Tensor] = None
-        """FP8 with error feedback: float32, what this rank's rounding left out of each element of its input, in
+        """FP8 with error feedback: bfloat16, what this rank's rounding left out of each element of its input, in
         FSDP's input layout (rank-major rows of the parameters' chunks); None until the first reduce-scatter."""
         self.kernels = PreparedCalls()
         """The group's kernel calls, prepared at its first reduce-scatter and run on each one's buffers."""
@@ -175,7 +175,7 @@ class WireReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         residual = None
         if self.wire.error_feedback:
             if self.residual is None:
-                self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=device)
+                self.residual = torch.zeros(input_tensor.numel(), dtype=RESIDUAL_DTYPE, device=device)
             residual = self.residual
         send = torch.empty(layout.n_rows * kernels.row_bytes(fmt), dtype=torch.uint8, device=device)
         run = self.kernels.run
@@ -275,8 +275,8 @@ class ReplicaAverage:
         layout = self.layout = cached_layout(tuple(self.comm.chunk_sizes()), self.replicas, self.layout)
         sizes = layout.sizes
         return LayoutResiduals((), sizes, (layout,), (0, sum(sizes)), dist.get_rank(self.group),
-                               torch.zeros(layout.n_elements, dtype=torch.float32, device=device),
-                               torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=torch.float32,
+                               torch.zeros(layout.n_elements, dtype=RESIDUAL_DTYPE, device=device),
+                               torch.zeros(layout.rows_per_shard * BLOCK_ELEMENTS, dtype=RESIDUAL_DTYPE,
                                            device=device))
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..formats import WireFormat
+from .residuals import RESIDUAL_DTYPE
 
 
 def param_groups(module: Any) -> List[Any]:
@@ -27,8 +28,8 @@ def param_groups(module: Any) -> List[Any]:
 
 
 
-#: Version of the dict ``FSDPCommState.state_dict`` returns; a newer one is refused on load.
-STATE_DICT_VERSION = 1
+#: Version of the dict ``FSDPCommState.state_dict`` returns (2: residuals in bfloat16); another is refused on load.
+STATE_DICT_VERSION = 2
 
 
 class FSDPCommState:
@@ -94,8 +95,12 @@ class FSDPCommState:
         size, names, sizes, dtype); one ValueError names the mismatch and nothing changes."""
         if not isinstance(saved, dict) or not isinstance(saved.get("version"), int):
             raise ValueError(f"an FSDP state_dict of ddp_triton is a dict with a version, got {type(saved).__name__}")
-        if saved["version"] > STATE_DICT_VERSION:
-            raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads up to "
+        if saved["version"] == 1:
+            raise ValueError("this FSDP state_dict was saved by an earlier ddp-triton (format 1, float32 residuals); "
+                             "this one keeps them in bfloat16 (format 2): load the checkpoint without the hook's "
+                             "entry (error feedback starts from zero) and save it again")
+        if saved["version"] != STATE_DICT_VERSION:
+            raise ValueError(f"an FSDP state_dict in format {saved['version']}; this ddp-triton reads format "
                              f"{STATE_DICT_VERSION}")
         here = {"wire_format": self.wire_setting, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "replica_wire_format": None if self.replica_wire is None else self.replica_wire.name}
@@ -112,8 +117,8 @@ class FSDPCommState:
         for name, value in given.items():
             if name not in known:
                 raise ValueError(f"the saved residuals name a parameter {name!r} this model does not have")
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-                raise ValueError(f"the saved residual of {name} is not a float32 tensor")
+            if not isinstance(value, torch.Tensor) or value.dtype != RESIDUAL_DTYPE:
+                raise ValueError(f"the saved residual of {name} is not a {RESIDUAL_DTYPE} tensor")
             if value.numel() != known[name][1] * self.shard_ranks:
                 raise ValueError(f"the saved residual of {name} has {value.numel()} elements; its padded shape has "
                                  f"{known[name][1] * self.shard_ranks}")
@@ -126,16 +131,16 @@ class FSDPCommState:
             for part in ("first", "second"):
                 value = parts.get(part) if isinstance(parts, dict) else None
                 want = getattr(fresh, part)
-                if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != want.shape:
+                if not isinstance(value, torch.Tensor) or value.dtype != RESIDUAL_DTYPE or value.shape != want.shape:
                     raise ValueError(f"the saved replica residual {part!r} of module {module_name!r} is not a "
-                                     f"float32 tensor of {want.numel()} elements")
+                                     f"{RESIDUAL_DTYPE} tensor of {want.numel()} elements")
         for comm in self.comms:
             params = self._params(comm)
             if not any(name in given for name, _ in params):
                 comm.residual = None
                 continue
             device = next(iter(comm.module.parameters())).device
-            rows = torch.zeros(self.shard_ranks, sum(size for _, size in params), device=device)
+            rows = torch.zeros(self.shard_ranks, sum(size for _, size in params), dtype=RESIDUAL_DTYPE, device=device)
             offset = 0
             for name, size in params:
                 if name in given:

@@ -11,8 +11,9 @@ The two-level exchange quantizes each node's sum, cut into one part per local ra
 that of its part (zero elsewhere in its ``state_dict``), and the second stage is sharded over the nodes' ranks of
 that part; the same per-parameter store holds both (``LayoutResiduals.span``/``shard``).
 
-Memory: 4 bytes per parameter element for the first stage (4/L with L ranks per node, two-level), 4/N for the
-second (float32).
+Stored in bfloat16 (``RESIDUAL_DTYPE``): the kernels add a residual in float32 and round what is left once to
+bfloat16 when they store it. Memory: 2 bytes per parameter element for the first stage (2/L with L ranks per node,
+two-level), 2/N for the second; float32 residuals trained no better (bench/RESULTS.md, row 66).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from .collective_errors import run_collective
 _MOVE = "the FP8 error-feedback residuals moving to a new bucket layout"
 _CHECKPOINT = "the FP8 error-feedback residuals' checkpoint (state_dict of every rank)"
 
-#: Version of the dict ``ResidualStore.state_dict`` returns; a newer one is refused on load.
-STATE_DICT_VERSION = 1
+#: The dtype the residuals are kept and saved in: half of float32's memory, the same loss (bench/RESULTS.md, row 66).
+RESIDUAL_DTYPE = torch.bfloat16
+
+#: Version of the dict ``ResidualStore.state_dict`` returns (2: residuals in bfloat16); another is refused on load.
+STATE_DICT_VERSION = 2
 
 
 @dataclass
@@ -56,9 +60,10 @@ class LayoutResiduals:
     shard: int
     """Which of each layout's shards of rows this rank owns (its second stage)."""
     first: torch.Tensor
-    """float32, the layouts' elements: this rank's first-stage residual of the span's elements, in bucket order."""
+    """``RESIDUAL_DTYPE``, the layouts' elements: this rank's first-stage residual of the span's elements, in bucket
+    order."""
     second: torch.Tensor
-    """float32, 128 per row of each layout's shard: the second-stage residual of this rank's rows."""
+    """``RESIDUAL_DTYPE``, 128 per row of each layout's shard: the second-stage residual of this rank's rows."""
     alive: bool = True
     """False once another layout took over its parameters: an entry holding it must bind again."""
 
@@ -108,7 +113,7 @@ class LayoutResiduals:
         ``group`` (each element's row is owned by exactly one rank, so the sum is a gather). Collective."""
         whole = torch.zeros(self.n_elements, dtype=torch.float32, device=self.second.device)
         elements, places = self.second_places()
-        whole.index_copy_(0, elements, self.second.index_select(0, places))
+        whole.index_copy_(0, elements, self.second.index_select(0, places).float())
         if group is not None:
             run_collective("all_reduce", _MOVE, dist.all_reduce, whole, group=group)
         return whole
@@ -151,8 +156,8 @@ class ResidualStore:
         span = (0, sum(sizes)) if span is None else span
         shard = group_rank(group) if shard is None else shard
         layouts = tuple(layouts)
-        first = torch.zeros(sum(layout.n_elements for layout in layouts), dtype=torch.float32, device=device)
-        second = torch.zeros(sum(layout.rows_per_shard for layout in layouts) * BLOCK_ELEMENTS, dtype=torch.float32,
+        first = torch.zeros(sum(layout.n_elements for layout in layouts), dtype=RESIDUAL_DTYPE, device=device)
+        second = torch.zeros(sum(layout.rows_per_shard for layout in layouts) * BLOCK_ELEMENTS, dtype=RESIDUAL_DTYPE,
                              device=device)
         held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
@@ -161,7 +166,7 @@ class ResidualStore:
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()
-            second.index_copy_(0, places, second_values.index_select(0, elements))
+            second.index_copy_(0, places, second_values.index_select(0, elements).to(RESIDUAL_DTYPE))
         self.layouts[params] = held
         return held
 
@@ -299,12 +304,12 @@ class ResidualStore:
             whole, own = held.whole_second(group), held.first_in_bucket()
             for (param, part), size in zip(held.slices(), held.sizes):
                 name = self._name(param, size)
-                first[name] = own[part].clone().cpu()
-                second[name] = whole[part].clone().cpu()
+                first[name] = own[part].to(RESIDUAL_DTYPE).cpu()
+                second[name] = whole[part].to(RESIDUAL_DTYPE).cpu()
         for param, value in self.pending_first.items():
-            first[self._name(param, value.numel())] = value.detach().clone().cpu()
+            first[self._name(param, value.numel())] = value.detach().to(RESIDUAL_DTYPE, copy=True).cpu()
         for param, value in self.pending_second.items():
-            second[self._name(param, value.numel())] = value.detach().clone().cpu()
+            second[self._name(param, value.numel())] = value.detach().to(RESIDUAL_DTYPE, copy=True).cpu()
         return {"version": STATE_DICT_VERSION, **settings, "rank": rank, "world_size": world_size,
                 "first_stage": first, "second_stage": second}
 
@@ -313,7 +318,8 @@ class ResidualStore:
         writes (Lightning's, Accelerate's): collective, and the same dict on every rank."""
         mine = self.state_dict(group, settings)
         names = sorted(mine["first_stage"])
-        flat = torch.cat([mine["first_stage"][n].view(-1) for n in names]) if names else torch.zeros(0)
+        # Gathered as float32 (every backend gathers it; the bfloat16 values come back exactly)
+        flat = torch.cat([mine["first_stage"][n].view(-1) for n in names]).float() if names else torch.zeros(0)
         device = collective_device(group)
         world_size = dist.get_world_size(group)
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
@@ -329,7 +335,7 @@ class ResidualStore:
             values, start, part = values.cpu(), 0, {}
             for n in names:
                 size = mine["first_stage"][n].numel()
-                part[n] = values[start:start + size].clone()
+                part[n] = values[start:start + size].to(RESIDUAL_DTYPE)
                 start += size
             by_rank.append(part)
         return {**{k: v for k, v in mine.items() if k not in ("rank", "first_stage")}, "first_stage_by_rank": by_rank}
@@ -350,9 +356,8 @@ class ResidualStore:
         self.loaded_from = (saved["rank"], saved["world_size"]) if saved["first_stage"] else None
 
     def held_bytes(self) -> int:
-        live = sum(h.first.numel() + h.second.numel() for h in self.layouts.values())
-        waiting = sum(t.numel() for t in (*self.pending_first.values(), *self.pending_second.values()))
-        return 4 * (live + waiting)
+        live = sum(h.first.nbytes + h.second.nbytes for h in self.layouts.values())
+        return live + sum(t.nbytes for t in (*self.pending_first.values(), *self.pending_second.values()))
 
 
 def _pop_pending(pending: Dict[int, torch.Tensor], param: int, size: int) -> Optional[torch.Tensor]:
@@ -385,8 +390,12 @@ def check_saved(saved: Any, settings: Dict[str, Any], shapes: Dict[str, torch.Si
     if not isinstance(saved, dict):
         raise ValueError(f"a CommState state_dict is a dict, got {type(saved).__name__}")
     version = saved.get("version")
-    if not isinstance(version, int) or version > STATE_DICT_VERSION:
-        raise ValueError(f"a CommState state_dict in format {version!r}; this ddp-triton reads up to "
+    if version == 1:
+        raise ValueError("this CommState state_dict was saved by an earlier ddp-triton (format 1, float32 residuals); "
+                         "this one keeps them in bfloat16 (format 2): load the checkpoint without the hook's entry "
+                         "(error feedback starts from zero) and save it again")
+    if version != STATE_DICT_VERSION:
+        raise ValueError(f"a CommState state_dict in format {version!r}; this ddp-triton reads format "
                          f"{STATE_DICT_VERSION}")
     missing = [key for key in ("rank", "world_size", "first_stage", "second_stage", *settings) if key not in saved]
     if missing:
@@ -416,8 +425,9 @@ def check_saved(saved: Any, settings: Dict[str, Any], shapes: Dict[str, torch.Si
                                  f"not have (it knows {known}, ...)")
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"the saved {stage} residual of {name} is a {type(value).__name__}, not a tensor")
-            if value.dtype != torch.float32:
-                raise ValueError(f"the saved {stage} residual of {name} is {value.dtype}; residuals are float32")
+            if value.dtype != RESIDUAL_DTYPE:
+                raise ValueError(f"the saved {stage} residual of {name} is {value.dtype}; residuals are "
+                                 f"{RESIDUAL_DTYPE}")
             if value.numel() != shape.numel():
                 raise ValueError(f"the saved {stage} residual of {name} has {value.numel()} elements; the parameter "
                                  f"has {shape.numel()} (shape {tuple(shape)})")

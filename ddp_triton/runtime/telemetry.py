@@ -266,7 +266,7 @@ class BucketSummary:
     residual_norm: Optional[float] = None
     """With error feedback: the norm of what it owes after that pass (both stages, this rank's), over the same norm."""
     residual_bytes: Optional[int] = None
-    """With error feedback: the memory of this rank's residuals of the bucket (float32)."""
+    """With error feedback: the memory of this rank's residuals of the bucket (bfloat16)."""
     rounding_pass: Optional[int] = None
     """The state's pass (from 1) the rounding was measured in: the bucket's first, then its every
     ``ROUNDING_EVERY``-th."""
@@ -408,5 +408,5 @@ def _rounding(samples: List[RoundingSample], residuals: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {"rounding_error": (lost ** 0.5 / scale) if scale > 0 else 0.0, "rounding_pass": at_pass}
     if residuals is not None:
         out["residual_norm"] = (owed ** 0.5 / scale) if scale > 0 else 0.0
-        out["residual_bytes"] = residuals.first.numel() * 4 + residuals.second.numel() * 4
+        out["residual_bytes"] = residuals.first.nbytes + residuals.second.nbytes
     return out

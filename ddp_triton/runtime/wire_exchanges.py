@@ -172,9 +172,11 @@ def _measure_rounding(buffer: torch.Tensor, rows: torch.Tensor, layout: BlockLay
     def measure(sums: torch.Tensor) -> None:
         sent = torch.empty(layout.n_elements, dtype=torch.float32, device=buffer.device)
         kernels.dequantize_blocks(rows, layout, sent, fmt=fmt)
-        if first is not None:
-            lost, meant = first, sent.add_(first)
-            owed = first.dot(first) + second.dot(second)
+        if first is not None:  # the residuals are stored in bfloat16: widened, exactly
+            lost = first.float()
+            meant = sent.add_(lost)
+            kept = second.float()
+            owed = lost.dot(lost) + kept.dot(kept)
         else:
             meant = buffer.float() * pre_scale
             lost = meant - sent

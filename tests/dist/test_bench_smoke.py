@@ -382,8 +382,8 @@ def test_hook_cost_benchmark_smoke():
     data = run_json(["bench.hook_cost", "--quick"])
     rows = {r["key"]: r for r in data["rows"]}
     assert list(rows) == ["no_hook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "triton_fp32",
-                          "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8", "triton_auto_bf16",
-                          "triton_auto_queued"]
+                          "triton_fp16", "triton_bf16", "triton_bf16_fp32sum", "triton_fp8", "triton_fp4",
+                          "triton_auto_bf16", "triton_auto_queued"]
     assert data["buckets"] == data["requested_buckets"] == 50  # --quick: one bucket per layer, counted in a backward
     assert (data["rounds"], data["steps_per_round"]) == (3, 3)
     base = rows["no_hook"]["round_ms"]
@@ -402,6 +402,7 @@ def test_hook_cost_benchmark_smoke():
             assert r["ratio"] == expected or math.isclose(r["ratio"], expected, rel_tol=1e-12), key
     assert rows["no_hook"]["extra_us_per_bucket"] == 0
     assert data["fp32_ratio"] == rows["triton_fp32"]["ratio"] and data["bf16_ratio"] == rows["triton_bf16"]["ratio"]
+    assert rows["triton_fp4"]["counterpart"] == "triton_fp8" and data["fp4_over_fp8_ratio"] == rows["triton_fp4"]["ratio"]
     assert data["torch"] == torch.__version__ and data["triton"] and data["date"] and data["machine"]["cpu"]
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import ddp_triton.fsdp
 import ddp_helpers
 from ddp_helpers import local_backward, torch_path_workers
-from wire_reference import _left_over, fp8_average, quantize_dequantize
+from wire_reference import _left_over, fp8_average, kept, quantize_dequantize
 from ddp_triton.formats import WireFormat
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
@@ -304,9 +304,9 @@ def _fp8_expected(per_rank, firsts, world_size, fmt):
             value = padded * (1.0 / world_size) + firsts[r][i]
             sent = torch.cat([quantize_dequantize(value[k * rows:(k + 1) * rows].reshape(-1).clone(), fmt)
                               for k in range(world_size)]).view_as(value)
-            firsts[r][i] = torch.cat([_left_over(value[k * rows:(k + 1) * rows].reshape(-1).clone(),
-                                                 sent[k * rows:(k + 1) * rows].reshape(-1))
-                                      for k in range(world_size)]).view_as(value)
+            firsts[r][i] = kept(torch.cat([_left_over(value[k * rows:(k + 1) * rows].reshape(-1).clone(),
+                                                      sent[k * rows:(k + 1) * rows].reshape(-1))
+                                           for k in range(world_size)]).view_as(value))
             total = sent.clone() if total is None else total + sent
         for k in range(world_size):
             out[k].append(total[k * rows:k * rows + max(0, min(rows, shape[0] - k * rows))])
@@ -355,6 +355,11 @@ def _fp8_worker(rank, world_size, tmp, name="fp8e4m3+ef"):
     bad = dict(torch.load(path, weights_only=True), rank=world_size)
     with pytest.raises(ValueError, match="rank"):
         state.load_state_dict(bad)
+    assert all(t.dtype == torch.bfloat16 for t in saved["residuals"].values())
+    with pytest.raises(ValueError, match=r"earlier ddp-triton \(format 1, float32 residuals\)"):
+        state.load_state_dict(dict(saved, version=1))
+    with pytest.raises(ValueError, match="is not a torch.bfloat16 tensor"):
+        state.load_state_dict(dict(saved, residuals={n: t.float() for n, t in saved["residuals"].items()}))
 
 
 def test_a_group_s_block_layout_is_reused_while_its_chunks_and_ranks_stay():

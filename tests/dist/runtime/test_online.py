@@ -142,9 +142,11 @@ def _residual_worker(rank, world_size, final):
     assert seen[1:13] == [names[s] for s in SWITCHING] and seen[13:] == [telemetry_name(final)] * 2, seen
     applied = -ddp.module.w.detach().double()
     residual = state.state_dict()["first_stage"]
-    if final == "fp32":  # the residuals went into the first fp32 exchange: nothing is owed, nothing was lost
+    if final == "fp32":  # the residuals went into the first fp32 exchange: nothing is owed, nothing was lost but
+        # bfloat16's rounding of what was owed (to 2^-8 of it at each store; 4.6e-4 at most here), where a residual
+        # dropped would be FP8's rounding itself (about 2^-4 of a gradient: 1e-2 to 1e-1 here)
         assert not residual or all(float(v.abs().max()) == 0.0 for v in residual.values())
-        torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)
+        torch.testing.assert_close(applied, truth, rtol=0, atol=2e-3)
     else:  # still in FP8: what is applied plus what is owed is the truth
         assert (applied - truth).abs().max() > 1e-4  # FP8's rounding is there to be owed
     fp8_error = 0.05 * float(truth.abs().max())
@@ -340,7 +342,8 @@ def _fsdp_residual_worker(rank, world_size):
     names = {"fp32": "fp32", "fp8": "fp8e4m3+ef"}
     assert seen[1:13] == [names[s] for s in SWITCHING] and seen[13:] == ["fp32"] * 2, seen
     applied = -model.w.full_tensor().detach().double()
-    torch.testing.assert_close(applied, truth, rtol=0, atol=1e-5)  # FP8's rounding, handed to the fp32 input
+    # FP8's rounding, handed to the fp32 input; lost: bfloat16's rounding of it (see _residual_worker)
+    torch.testing.assert_close(applied, truth, rtol=0, atol=2e-3)
 
 
 def test_an_fsdp_group_leaving_fp8_hands_its_residuals_to_its_next_input():

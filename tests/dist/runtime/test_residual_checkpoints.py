@@ -85,6 +85,12 @@ def _refusals(rank, world_size):
     refused({**good, "first_stage": {**good["first_stage"], "first.bias": torch.zeros(50, dtype=torch.float64)}},
             "first_stage residual of first.bias is torch.float64")
     refused({**good, "first_stage": [1, 2]}, "not a dict of tensors")
+    # Residuals are bfloat16 (format 2): an earlier build's float32 file says what to do; a float32 tensor is refused
+    refused({**good, "version": 1}, r"saved by an earlier ddp-triton \(format 1, float32 residuals\).*without the "
+                                    r"hook's entry")
+    refused({**good, "first_stage": {n: t.float() for n, t in good["first_stage"].items()}},
+            "residual of .* is torch.float32; residuals are torch.bfloat16")
+    assert all(t.dtype == torch.bfloat16 for stage in ("first_stage", "second_stage") for t in good[stage].values())
     refused("residuals", "is a dict, got str")
     train(ddp, 1, rank, world_size)  # and the state still trains
     other.load_state_dict(good)

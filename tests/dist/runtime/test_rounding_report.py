@@ -41,14 +41,15 @@ def _rounding_worker(rank, world_size, name):
     step(ddp, rank, world_size, 0)
     (bucket,) = state.summary().buckets
     assert bucket.rounding_pass == 1
-    assert bucket.rounding_error == pytest.approx(lost / meant, rel=1e-4), (bucket.rounding_error, lost / meant)
+    # The rounding as kept (in bfloat16: each element within 2^-9 of it) against the reference's, in float32.
+    assert bucket.rounding_error == pytest.approx(lost / meant, rel=2e-3), (bucket.rounding_error, lost / meant)
     if wire.error_feedback:
-        # Nothing was owed before: all it owes now is the first pass's rounding; float32 residuals of every element
+        # Nothing was owed before: all it owes now is the first pass's rounding; bfloat16 residuals of every element
         # (first stage) and of this rank's shard of rows (second stage).
         assert bucket.residual_norm == pytest.approx(bucket.rounding_error, rel=1e-5)
         (plan,) = state.plans.values()
         rows = plan.residuals.layouts[0].rows_per_shard
-        assert bucket.residual_bytes == 4 * (sum(p.numel() for p in model.parameters()) + rows * 128)
+        assert bucket.residual_bytes == 2 * (sum(p.numel() for p in model.parameters()) + rows * 128)
     else:
         assert bucket.residual_norm is None and bucket.residual_bytes is None
     # DDP's rebuilt bucket measures at its own first and third pass: the state's second and fourth.
