@@ -30,7 +30,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from ddp_triton.integrations.torchft import DistributedDataParallel
 
-FORMATS = {"bf16": "bf16+fp32sum", "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+FORMATS = {"bf16": "bf16+fp32sum", "fp8": torch.float8_e4m3fn, "fp4": "fp4e2m1+ef", "fp32": torch.float32}
 
 
 def parse_args() -> argparse.Namespace:
