@@ -25,7 +25,6 @@ oldest layout goes first) and safe to use from several threads: a repeat reads i
 from __future__ import annotations
 
 import threading
-from operator import attrgetter
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
