@@ -73,8 +73,11 @@ class FaultTolerantExchange:
         self.participating = True
         self.factor = 1.0
         """Group size / participants: a healing group is in the group but not among the participants."""
-        self.saved: Optional[Tuple[int, Dict[Any, Any]]] = None
+        self.saved: Optional[Tuple[int, Any]] = None
         """(manager step, residual snapshot) of the step in flight, until it is known to have been committed."""
+        self.step_call: Any = None
+        """The manager's quorum call of the step in flight (``start_quorum``'s, one per step): a further backward
+        of the same step (accumulation without no_sync) keeps the step's snapshot."""
         self.failed = False
         self.restart = False
         """An exchange failed: bind afresh before the next step, even on the same group."""
@@ -86,14 +89,26 @@ class FaultTolerantExchange:
     # ---- a step's start and end ----------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Before the step's first bucket: roll back a step that was not committed, follow the quorum."""
-        self.settle()
+        """Before a backward's first bucket: for a new step, roll back a step that was not committed and follow the
+        quorum; for another backward of the step in flight, keep its snapshot. ``in_pass`` is set last, so that a
+        failure here leaves the next bucket to begin again."""
         manager = self.manager
+        step_call = getattr(manager, "_quorum_future", None)
+        same_step = step_call is not None and step_call is self.step_call and self.saved is not None
+        if not same_step:
+            self.settle()
         manager.wait_quorum()
-        self.in_pass, self.failed, self._launched, self._settled, self._all_launched = True, False, 0, 0, False
+        self.failed, self._launched, self._settled, self._all_launched = False, 0, 0, False
         self.skip = manager.errored() is not None
-        if self.skip:
-            return
+        if not self.skip and not same_step:
+            self._follow_quorum()
+        self.step_call = step_call
+        self.in_pass = True
+
+    def _follow_quorum(self) -> None:
+        """A new step's binding: the quorum's group, the participants' factor, the residuals' snapshot. A group that
+        takes no part sends zeros: its residuals (owed to steps it now misses) are dropped, as a heal drops them."""
+        manager = self.manager
         group = cross_group(manager._pg)
         quorum = getattr(manager, "_quorum_id", None)
         if self.restart or group is not self.state.process_group or quorum != self.quorum:
@@ -104,6 +119,8 @@ class FaultTolerantExchange:
         self.factor = group.size() / participants if participants > 0 else 1.0
         if self.state.keeps_residuals:
             self.saved = (manager.current_step(), self.state.residuals.snapshot())
+            if not self.participating:
+                self.state.residuals.zero()
 
     def settle(self) -> None:
         """Put the residuals back where the latest step was not committed (the manager's step did not advance)."""
@@ -128,10 +145,19 @@ class FaultTolerantExchange:
         # The replica group's own ranks, in full precision, then the format between groups. torchft runs a quorum
         # per group rank, and at a heal the ranks of one group may see different participants (each heals on its
         # own): the group takes its first rank's result, so that its ranks never drift apart.
-        dist.all_reduce(buffer, group=self.inner)
+        # A failure inside the group settles the bucket as failed, as one between groups does.
+        try:
+            dist.all_reduce(buffer, group=self.inner)
+        except Exception as exc:  # noqa: BLE001 - a rank of this group gone: the step is thrown away
+            return self._done(buffer, exc)
         buffer.div_(self.inner_size)
         self._exchange(bucket, buffer).wait()
-        dist.broadcast(buffer, src=self.inner_first, group=self.inner)
+        try:
+            dist.broadcast(buffer, src=self.inner_first, group=self.inner)
+        except Exception as exc:  # noqa: BLE001 - settled already: the step is reported and its residuals rolled back
+            self.manager.report_error(exc)
+            buffer.zero_()
+            self._roll_back()
         done = torch.futures.Future()
         done.set_result(buffer)
         return done
@@ -174,11 +200,15 @@ class FaultTolerantExchange:
         if whole:
             self.in_pass = False
             if self.failed and not self.skip:
-                self.restart = True
-                saved = self.saved
-                if saved is not None:
-                    self.state.residuals.restore(saved[1])
+                self._roll_back()
         return buffer
+
+    def _roll_back(self) -> None:
+        """A failed step: its residuals go back to the snapshot, and the state binds afresh before the next."""
+        self.restart = True
+        saved = self.saved
+        if saved is not None:
+            self.state.residuals.restore(saved[1])
 
     # ---- what a heal carries ---------------------------------------------------------------------------------------
 
@@ -204,6 +234,20 @@ def exchange_hook(ft: FaultTolerantExchange, bucket: dist.GradBucket) -> torch.f
     if not ft.in_pass:
         ft.begin()
     return ft.run(bucket)
+
+
+#: torchft's process groups the exchange cannot run over yet: the Baby ones (a subprocess's group, without the
+#: collectives into one tensor the exchange issues) and the accelerator ones (their timeouts and aborts, which turn a
+#: dead peer into a step's error, live in torchft's wrapper, which the exchange goes around).
+UNSUPPORTED_GROUPS = ("ProcessGroupBaby", "ProcessGroupNCCL", "ProcessGroupXCCL")
+
+
+def _check_process_group(pg: Any) -> None:
+    unsupported = [cls.__name__ for cls in type(pg).__mro__ if cls.__name__ in UNSUPPORTED_GROUPS]
+    if unsupported:
+        raise TypeError(f"ddp_triton.integrations.torchft exchanges over torchft's ProcessGroupGloo only, not "
+                        f"{type(pg).__name__} ({unsupported[0]}: not supported yet); give the Manager "
+                        "pg=ProcessGroupGloo()")
 
 
 def _check_module(module: Any) -> None:
@@ -253,6 +297,7 @@ class DistributedDataParallel(torchft.ddp.DistributedDataParallel):
         if getattr(manager, "_pg", None) is None:
             raise ValueError(f"DistributedDataParallel needs a torchft Manager with a process group "
                              f"(Manager(pg=ProcessGroupGloo(), ...)); got {type(manager).__name__} without one")
+        _check_process_group(manager._pg)
         _check_module(module)
         inner = _inner_group(manager, process_group)
         state = CommState(profile=None, **options)

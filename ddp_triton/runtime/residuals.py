@@ -221,21 +221,29 @@ class ResidualStore:
 
     # ---- a step thrown away, a group changed -----------------------------------------------------------------------
 
-    def snapshot(self) -> Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of every live layout's residuals, for ``restore`` if the step about to run is thrown away (torchft
-        discards a step that failed anywhere). Costs one copy of the residuals in memory and time."""
-        return {key: (held.first.clone(), held.second.clone()) for key, held in self.layouts.items()}
+    def snapshot(self) -> "ResidualSnapshot":
+        """A copy of every residual this store holds, live layouts and pending ones alike, for ``restore`` if the
+        step about to run is thrown away (torchft discards a step that failed anywhere). Costs one copy of the
+        residuals in memory and time."""
+        return ResidualSnapshot({key: (held, held.first.clone(), held.second.clone())
+                                 for key, held in self.layouts.items()},
+                                {k: v.clone() for k, v in self.pending_first.items()},
+                                {k: v.clone() for k, v in self.pending_second.items()})
 
-    def restore(self, saved: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put back what ``snapshot`` copied; a layout made since (it held nothing before) goes back to zero."""
-        for key, held in self.layouts.items():
-            copied = saved.get(key)
-            if copied is None:
-                held.first.zero_()
-                held.second.zero_()
-            else:
-                held.first.copy_(copied[0])
-                held.second.copy_(copied[1])
+    def restore(self, saved: "ResidualSnapshot") -> None:
+        """Put the store back as ``snapshot`` found it: the layouts of then, alive again with their values (a layout
+        retired since, its bucket re-binding to it), the pending residuals of then, and no layout made since."""
+        for key, held in list(self.layouts.items()):
+            if saved.layouts.get(key, (None,))[0] is not held:
+                held.alive = False
+                del self.layouts[key]
+        for key, (held, first, second) in saved.layouts.items():
+            held.first.copy_(first)
+            held.second.copy_(second)
+            held.alive = True
+            self.layouts[key] = held
+        self.pending_first = {k: v.clone() for k, v in saved.pending_first.items()}
+        self.pending_second = {k: v.clone() for k, v in saved.pending_second.items()}
 
     def zero(self) -> None:
         """Forget every residual (a replica that torchft heals from another's checkpoint starts from zero: residuals
@@ -358,6 +366,16 @@ class ResidualStore:
     def held_bytes(self) -> int:
         live = sum(h.first.nbytes + h.second.nbytes for h in self.layouts.values())
         return live + sum(t.nbytes for t in (*self.pending_first.values(), *self.pending_second.values()))
+
+
+@dataclass
+class ResidualSnapshot:
+    """What ``ResidualStore.snapshot`` copied: each live layout (the object and copies of its two stages), and the
+    pending residuals."""
+
+    layouts: Dict[Tuple[int, ...], Tuple[LayoutResiduals, torch.Tensor, torch.Tensor]]
+    pending_first: Dict[int, torch.Tensor]
+    pending_second: Dict[int, torch.Tensor]
 
 
 def _pop_pending(pending: Dict[int, torch.Tensor], param: int, size: int) -> Optional[torch.Tensor]:

@@ -46,6 +46,11 @@ def ours():
     return DistributedDataParallel
 
 
+def _baby_group():
+    from torchft.process_group import ProcessGroupBabyGloo
+    return ProcessGroupBabyGloo()
+
+
 def test_the_model_carries_its_state_and_registers_it_for_healing():
     manager = stand_in_manager()
     model = ours()(manager, nn.Linear(4, 2), comm_dtype=torch.float8_e4m3fn)
@@ -72,6 +77,8 @@ def test_the_model_carries_its_state_and_registers_it_for_healing():
                  "needs tune='online'", id="auto-without-online"),
     pytest.param(lambda: ours()(stand_in_manager(), nn.Linear(4, 2), comm_dtype=torch.int8), ValueError,
                  "comm_dtype", id="bad-comm-dtype"),
+    pytest.param(lambda: ours()(SimpleNamespace(**{**vars(stand_in_manager()), "_pg": _baby_group()}),
+                                nn.Linear(4, 2)), TypeError, "over torchft's ProcessGroupGloo only", id="baby-group"),
 ])
 def test_bad_input_is_refused_by_name(make, error, words):
     """Each refusal names what is wrong, and docs/troubleshooting.md quotes it (as tests/dist/test_troubleshooting.py
@@ -95,6 +102,106 @@ def test_the_messages_a_torchft_user_meets_are_on_the_troubleshooting_page():
         ours()(manager, nn.Linear(4, 2))
     for message in (str(healed.value), str(no_group.value)):
         assert quote_of(message, quotes) is not None, f"{TROUBLESHOOTING} quotes no part of: {message}"
+
+
+# ---- the step's bookkeeping, against a manager the test drives (one gloo rank, in a worker process) -----------------
+
+class DrivenManager:
+    """torchft's Manager as the hook sees it, each step started (``start_quorum``) and committed by the test."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self._pg, self._quorum_id, self._step, self._errored = dist.new_group([0]), 1, 0, None
+        self._group_world_size, self._quorum_future, self.participating, self.fns = 1, object(), True, {}
+
+    def start_quorum(self):
+        self._quorum_future, self._errored = object(), None
+
+    def wait_quorum(self):
+        pass
+
+    def errored(self):
+        return self._errored
+
+    def report_error(self, error):
+        self._errored = error
+
+    def num_participants(self):
+        return 1
+
+    def is_participating(self):
+        return self.participating
+
+    def current_step(self):
+        return self._step
+
+    def register_state_dict_fn(self, key, load, save):
+        self.fns[key] = (load, save)
+
+
+def _owed(state):
+    """Every residual the state holds, live and pending, by parameter name (float32 copies)."""
+    saved = state.residuals.state_dict(None, {})
+    return {(stage, name): t.float() for stage in ("first_stage", "second_stage") for name, t in saved[stage].items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _bookkeeping_worker(rank, world_size):
+    import ddp_triton.integrations.torchft as integration
+    torch.manual_seed(0)
+    manager = DrivenManager()
+    model = ours()(manager, nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), comm_dtype=torch.float8_e4m3fn)
+    state, restores = model.comm_state, []
+    restore = state.residuals.restore
+    state.residuals.restore = lambda saved: (restores.append(1), restore(saved))
+    batch = [torch.randn(16, 64, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def backward(k):
+        model(batch[k]).pow(2).sum().backward()
+
+    backward(0)  # step 0, committed
+    manager._step += 1
+    committed = _owed(state)
+    assert any(t.abs().sum() > 0 for t in committed.values())
+    # Two backwards in one step (accumulation without no_sync): the second keeps the first's residuals.
+    manager.start_quorum()
+    backward(1)
+    after_one = _owed(state)
+    backward(2)
+    assert not restores and not _same(_owed(state), after_one), "the second backward rolled the first one back"
+    manager._step += 1
+    # A new quorum (another group), then the step's exchange fails: the residuals are those from before the step,
+    # though the quorum change had moved them out of their layouts.
+    before = _owed(state)
+    manager.start_quorum()
+    manager._pg, manager._quorum_id = __import__("torch.distributed").distributed.new_group([0]), 2
+    hook = integration.triton_hook
+
+    def failing(hook_state, bucket):
+        hook(hook_state, bucket).wait()
+        raise RuntimeError("a peer is gone")
+
+    integration.triton_hook = failing
+    backward(3)
+    integration.triton_hook = hook
+    assert manager._errored is not None and restores
+    assert _same(_owed(state), before), "the failed step after a quorum change lost the residuals"
+    # A group that takes no part sends zeros, whatever error feedback owed.
+    manager.start_quorum()
+    manager.participating = False
+    model.zero_grad()
+    backward(0)
+    assert all(not p.grad.any() for p in model.parameters()), "a group taking no part sent what its residuals owed"
+
+
+def test_the_step_bookkeeping_accumulation_a_failure_after_a_quorum_change_and_a_group_taking_no_part():
+    """The hook's state across steps: a second backward in one step, a failed step right after the quorum changed
+    (its residuals back where they were), and a group that is not participating (zeros on the wire)."""
+    from dist_utils import run_workers
+    run_workers(_bookkeeping_worker, 1)
 
 
 # ---- real replica groups under a real lighthouse ------------------------------------------------------------------
