@@ -112,4 +112,4 @@ class TunedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
         if comm.wire.error_feedback:
             comm.residual = owed
         else:  # FP8's residuals are in units of the scaled input (input / the divide factor)
-            input_tensor.add_(owed.mul(comm.divide_factor(op, n)).to(input_tensor.dtype))
+            input_tensor.add_(owed.float().mul(comm.divide_factor(op, n)).to(input_tensor.dtype))  # scaled in float32
