@@ -79,8 +79,11 @@ class FaultTolerantExchange:
         """The manager's quorum call of the step in flight (``start_quorum``'s, one per step): a further backward
         of the same step (accumulation without no_sync) keeps the step's snapshot."""
         self.failed = False
+        self.exchanged_at: Optional[int] = None
+        """The manager's step whose exchange ran last (None: none since it was settled)."""
         self.restart = False
-        """An exchange failed: bind afresh before the next step, even on the same group."""
+        """The last step was not committed: bind afresh before the next, even on the same group. Every group sees
+        that alike (torchft's commit is a vote of all), so every group binds again, in one order."""
         self._lock = threading.Lock()
         self._launched = 0
         self._settled = 0
@@ -117,16 +120,21 @@ class FaultTolerantExchange:
         participants = manager.num_participants()
         self.participating = manager.is_participating() and participants > 0
         self.factor = group.size() / participants if participants > 0 else 1.0
+        self.exchanged_at = manager.current_step()
         if self.state.keeps_residuals:
-            self.saved = (manager.current_step(), self.state.residuals.snapshot())
+            self.saved = (self.exchanged_at, self.state.residuals.snapshot())
             if not self.participating:
                 self.state.residuals.zero()
 
     def settle(self) -> None:
-        """Put the residuals back where the latest step was not committed (the manager's step did not advance)."""
+        """Where the latest step was not committed (the manager's step did not advance), on this group and so on
+        every one: put the residuals back, and bind afresh before the next exchange."""
         saved, self.saved = self.saved, None
-        if saved is not None and self.manager.current_step() == saved[0]:
-            self.state.residuals.restore(saved[1])
+        exchanged_at, self.exchanged_at = self.exchanged_at, None
+        if exchanged_at is not None and self.manager.current_step() == exchanged_at:
+            self.restart = True
+            if saved is not None:
+                self.state.residuals.restore(saved[1])
 
     def heal(self) -> None:
         """This replica group took another's checkpoint: its residuals were its own history, which ends here."""
@@ -204,8 +212,7 @@ class FaultTolerantExchange:
         return buffer
 
     def _roll_back(self) -> None:
-        """A failed step: its residuals go back to the snapshot, and the state binds afresh before the next."""
-        self.restart = True
+        """A failed step: its residuals go back to the snapshot now (the next step's ``settle`` binds afresh)."""
         saved = self.saved
         if saved is not None:
             self.state.residuals.restore(saved[1])

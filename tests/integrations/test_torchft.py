@@ -189,6 +189,22 @@ def _bookkeeping_worker(rank, world_size):
     integration.triton_hook = hook
     assert manager._errored is not None and restores
     assert _same(_owed(state), before), "the failed step after a quorum change lost the residuals"
+    # A step not committed binds afresh before the next exchange, on every group alike (torchft's commit is a vote of
+    # all): after this group's failure above, and after a step that failed only elsewhere.
+    regroups = []
+    regroup = state.regroup
+    state.regroup = lambda group: (regroups.append(group), regroup(group))
+    manager.start_quorum()
+    backward(1)
+    assert len(regroups) == 1 and manager._errored is None
+    manager.start_quorum()  # the step before was not committed (another group failed): the step does not advance
+    backward(2)
+    assert len(regroups) == 2
+    manager._step += 1
+    manager.start_quorum()  # committed: the same binding
+    backward(3)
+    assert len(regroups) == 2
+    manager._step += 1
     # A group that takes no part sends zeros, whatever error feedback owed.
     manager.start_quorum()
     manager.participating = False
