@@ -53,7 +53,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a plain script: make `bench` and `ddp_triton` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -188,14 +188,26 @@ def relative_error(grid: Grid, flat: torch.Tensor, q) -> float:
 
 
 def train(task: Any, q, n_ranks: int, steps: int, error_feedback: bool = True,
-          keep: Optional[Dict[int, torch.Tensor]] = None, reverse: bool = False) -> List[float]:
+          keep: Optional[Dict[int, torch.Tensor]] = None, reverse: bool = False, *,
+          residual_dtype: torch.dtype = torch.float32, second_stage: bool = True,
+          exact: Optional[Callable[[str], bool]] = None, optimizer_step: Any = None) -> List[float]:
     """Per-step mean training loss over the ranks of one simulated data-parallel run; ``q`` None: fp32 averaging
-    (``reverse``: summed in reverse rank order). ``keep``: filled with rank 0's flat gradient at ``GRADIENT_STEPS``."""
+    (``reverse``: summed in reverse rank order). ``keep``: filled with rank 0's flat gradient at ``GRADIENT_STEPS``.
+
+    For ``bench.fp4_lag``'s questions: ``residual_dtype`` rounds the residuals at every store, as the runtime keeps
+    them; ``second_stage`` False uses the float32 sum as it is, without the second rounding; ``exact`` names the
+    parameters (by name) sent without rounding; ``optimizer_step(params, exact_average, step)`` replaces the clip
+    and AdamW step, given the float32 average the ranks meant to send."""
     torch.manual_seed(0)
     model = task.model()
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     grid = Grid([p.numel() for p in params])
     optimizer = torch.optim.AdamW(params, lr=task.lr)
+    if exact is not None and q is not None:
+        unrounded = grid.of(torch.cat([torch.full((p.numel(),), float(exact(name))) for name, p in named])) > 0
+        q = (lambda rounding: lambda g: torch.where(unrounded, g, rounding(g)))(q)
+    stored = (lambda t: t) if residual_dtype == torch.float32 else (lambda t: t.to(residual_dtype).float())
     first = [torch.zeros(grid.rows, BLOCK) for _ in range(n_ranks)]
     second = torch.zeros(grid.rows, BLOCK)
     losses = []
@@ -222,18 +234,27 @@ def train(task: Any, q, n_ranks: int, steps: int, error_feedback: bool = True,
                     value = value + first[rank]
                 sent = q(value)
                 if error_feedback:
-                    first[rank] = (value - sent) * grid.mask  # padding never feeds back
+                    first[rank] = stored((value - sent) * grid.mask)  # padding never feeds back
                 total = total + sent
-            if error_feedback:
-                total = total + second
-            result = q(total)
-            if error_feedback:
-                second = (total - result) * grid.mask
+            if second_stage:
+                if error_feedback:
+                    total = total + second
+                result = q(total)
+                if error_feedback:
+                    second = stored((total - result) * grid.mask)
+            else:
+                result = total
             average = grid.flat(result)
         offset = 0
         for p in params:
             p.grad = average[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        if optimizer_step is not None:
+            meant = grads[0] * (1.0 / n_ranks)
+            for g in grads[1:]:
+                meant = meant + g * (1.0 / n_ranks)
+            optimizer_step(params, meant, step)
+            continue
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -554,3 +554,15 @@ def test_timeline_peers_lag_is_the_last_rank_to_reach_its_last_bucket():
     assert timeline.peers_lag_ms(1000.02, [1000.02, 1000.0, None, 1000.065]) == pytest.approx(45.0)
     assert timeline.peers_lag_ms(1000.02, [1000.0]) == 0.0  # every peer was earlier: nothing waited for
     assert timeline.peers_lag_ms(None, [1000.0]) is None
+
+
+def test_fp4_lag_benchmark_smoke(tmp_path):
+    """The lag study's written-out AdamW is torch's: fed the float32 average for both moments it trains as fp32."""
+    from bench import fp4_lag
+
+    out = tmp_path / "lag.json"
+    assert fp4_lag.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert abs(rows["fp32 by hand"]["vs_fp32"]) < 1e-4
+    assert rows["e2m1+ef"]["vs_fp32"] != 0.0  # the rounding moves the trajectory
+    assert {f"e2m1+ef, exact {g}" for g in fp4_lag.EXACT_GROUPS} <= set(rows)
