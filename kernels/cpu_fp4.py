@@ -1,5 +1,5 @@
-"""The E2M1 passes on CPU tensors: the compiled ones (``fp4_cpu.c`` through ``native_cpu``) where they build and give
-the torch passes' bits, otherwise the torch passes (``torch_fp4``), the reference they are checked against.
+"""The E2M1 passes on CPU tensors: the compiled ones (``blockscale_cpu.c`` through ``native_cpu``) where they build and
+give the torch passes' bits, otherwise the torch passes (``torch_fp4``), the reference they are checked against.
 
 As ``cpu_fp8`` does for FP8, with its wrappers (a 16-bit bucket through a float32 scratch buffer a step at a time,
 the sum of blocks as a dequantize per rank and torch's adds): on first use in a process the compiled passes run
@@ -59,7 +59,7 @@ def sum_blocks_pass(received: torch.Tensor, n_ranks: int, layout: BlockLayout,
 
 
 def cpu_fp4_passes() -> str:
-    """Which E2M1 passes a call on CPU tensors takes now: "compiled" (``fp4_cpu.c``) or "torch"."""
+    """Which E2M1 passes a call on CPU tensors takes now: "compiled" (``blockscale_cpu.c``) or "torch"."""
     return "compiled" if compiled_passes() is not None else "torch"
 
 

@@ -1,5 +1,5 @@
-"""The FP8 passes on CPU tensors: the compiled ones (``fp8_cpu.c`` through ``native_cpu``) where they build and give
-the torch passes' bits, otherwise the torch passes (``torch_wire``), the reference they are checked against.
+"""The FP8 passes on CPU tensors: the compiled ones (``blockscale_cpu.c`` through ``native_cpu``) where they build and
+give the torch passes' bits, otherwise the torch passes (``torch_wire``), the reference they are checked against.
 
 The compiled passes take one sweep where the torch passes take about ten (``native_cpu.py`` says why); on first use
 in a process they run beside the torch passes on values over float32's whole range, and are not used, with a
@@ -59,7 +59,7 @@ def sum_blocks_pass(received: torch.Tensor, n_ranks: int, layout: BlockLayout, o
 
 
 def cpu_fp8_passes(fmt: Fp8Format = E4M3) -> str:
-    """Which FP8 passes a call on CPU tensors takes now: "compiled" (``fp8_cpu.c``) or "torch"."""
+    """Which FP8 passes a call on CPU tensors takes now: "compiled" (``blockscale_cpu.c``) or "torch"."""
     return "compiled" if compiled_passes(fmt) is not None else "torch"
 
 

@@ -1,12 +1,12 @@
-"""The compiled CPU form of the block-scaled wire passes (``fp8_cpu.c``, ``fp4_cpu.c``): built on first use into
-one library, loaded through ctypes.
+"""The compiled CPU form of the block-scaled wire passes (``blockscale_cpu.c``, FP8's two formats and E2M1): built on
+first use into one library, loaded through ctypes.
 
 torch has no fused FP8 or E2M1 quantizer for CPU tensors, and its FP8 conversions go element by element, so the
 plain-torch paths (``torch_wire``, ``torch_fp4``) take about ten passes over memory where the Triton kernel takes one. A
-gloo job on CPUs then spends longer in the passes than on the link the format was chosen for. The C sources do each pass
-in one sweep, with the kernels' integer rounding and the same float32 operations in the same order, so their bits are
-the kernels'. The library is compiled the way Triton compiles its own launchers: the system's C compiler (``$CC``, else
-``cc``, ``gcc`` or ``clang``), once per machine and sources, into ``$XDG_CACHE_HOME/ddp-triton/native`` (a private
+gloo job on CPUs then spends longer in the passes than on the link the format was chosen for. The C source does each
+pass in one sweep, with the kernels' integer rounding and the same float32 operations in the same order, so their bits
+are the kernels'. The library is compiled the way Triton compiles its own launchers: the system's C compiler (``$CC``,
+else ``cc``, ``gcc`` or ``clang``), once per machine and source, into ``$XDG_CACHE_HOME/ddp-triton/native`` (a private
 temporary folder, removed once loaded, where that is not a folder of this user's that only this user and root can
 change). Flags that would change a result are not used, nor a compiler's fast-math default (``-fno-fast-math``, no FMA
 contraction: ``-ffp-contract=off``); ``-fno-trapping-math`` only lets the compiler vectorise branch-free selects. A
@@ -37,8 +37,8 @@ import torch
 
 #: Set to 0 to keep CPU tensors on the plain-torch FP8 and E2M1 paths.
 ENV_SWITCH = "DDP_TRITON_NATIVE_CPU"
-#: Compiled together into one library (one build, one load, one warning).
-SOURCES = (Path(__file__).with_name("fp8_cpu.c"), Path(__file__).with_name("fp4_cpu.c"))
+#: Compiled into one library (one build, one load, one warning): every block-scaled format's passes, in one file.
+SOURCES = (Path(__file__).with_name("blockscale_cpu.c"),)
 #: Never a flag that changes a value: see the module's docstring.
 FLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
 #: Tried first, where the compiler takes it: vector instructions of this machine (the cache key names the machine).

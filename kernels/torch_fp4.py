@@ -1,5 +1,5 @@
 """The block-scaled E2M1 passes in torch ops, with the Triton kernels' bits (``fp4.py``): the reference of the compiled
-passes (``fp4_cpu.c``) and the path CPU tensors take where those do not build (``cpu_fp4`` chooses).
+passes (``blockscale_cpu.c``) and the path CPU tensors take where those do not build (``cpu_fp4`` chooses).
 
 The tests check these, the compiled passes and the Triton kernels give identical bits. Every float32
 operation is the kernel's, in its order: scale, add the residual, choose each group's power-of-two scale, round to

@@ -1,8 +1,8 @@
 """Error feedback with a bfloat16 residual: quantize and reduce in block-scaled FP8 (E4M3) and E2M1.
 
 Tier: no device. Every path a CPU tensor can take gives the same bits: the Triton kernels in Triton's interpreter
-(conftest.py sets TRITON_INTERPRET=1; ``blockscale``'s launchers), the compiled passes (``fp8_cpu.c``,
-``fp4_cpu.c``) and the torch passes (``torch_wire``, ``torch_fp4``). Each equals the reference written apart
+(conftest.py sets TRITON_INTERPRET=1; ``blockscale``'s launchers), the compiled passes (``blockscale_cpu.c``) and
+the torch passes (``torch_wire``, ``torch_fp4``). Each equals the reference written apart
 (``wire_reference.error_feedback``): the residual widened to float32 and added, what is left computed in float32 as
 for a float32 residual, then rounded once by torch's ``.to(torch.bfloat16)``. The values are built so that what is
 left lands on bfloat16 ties, rounding both down and up to the even neighbour; a block made non-finite by its values

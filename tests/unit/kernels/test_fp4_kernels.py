@@ -2,7 +2,7 @@
 
 Tier: no device. The Triton kernels run in Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1);
 each is compared bit for bit with the CPU path training uses (``kernels.cpu_fp4``: the compiled passes of
-``fp4_cpu.c`` where they build, else torch ops; test_native_cpu.py compares the two) and both with the reference
+``blockscale_cpu.c`` where they build, else torch ops; test_native_cpu.py compares the two) and both with the reference
 written apart from the format's definition (``wire_reference.fp4_block``: a search for each group's scale
 and the nearest E2M1 magnitude by distance, in float64).
 """

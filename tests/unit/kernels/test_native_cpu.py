@@ -1,5 +1,4 @@
-"""The compiled CPU passes (``kernels/fp8_cpu.c``, ``kernels/fp4_cpu.c`` through ``kernels.native_cpu``) against the
-torch passes.
+"""The compiled CPU passes (``kernels/blockscale_cpu.c`` through ``kernels.native_cpu``) against the torch passes.
 
 Tier: no device, no Triton. The compiled passes serve CPU tensors wherever a C compiler builds them; the torch passes
 (``DDP_TRITON_NATIVE_CPU=0``) are the fallback. Both must give the same bits for every format (FP8's two, E2M1), bucket
@@ -27,7 +26,7 @@ FORMATS = [pytest.param(fp8.E4M3, id="e4m3"), pytest.param(fp8.E5M2, id="e5m2")]
 def compiled():
     """The compiled passes as every call sees them; skips where this machine cannot build them."""
     if native_cpu.library() is None:
-        pytest.skip("no C compiler builds kernels/fp8_cpu.c here")
+        pytest.skip("no C compiler builds kernels/blockscale_cpu.c here")
     return True
 
 
@@ -364,7 +363,7 @@ def test_a_cache_under_a_folder_others_may_write_to_is_not_used(compiled, fresh_
     assert not list((open_to_all / "cache" / "ddp-triton" / "native").iterdir())
 
 
-# ---- E2M1 (kernels/fp4_cpu.c through kernels.cpu_fp4) --------------------------------------------------------------
+# ---- E2M1 (kernels/blockscale_cpu.c through kernels.cpu_fp4) --------------------------------------------------------
 
 
 def run_all_fp4(monkeypatch, native, src, layout, scale, residual, ranks, received, shard_residual, dst_dtype):
