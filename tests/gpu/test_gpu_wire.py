@@ -15,7 +15,8 @@ import ddp_triton
 from bits import assert_same_bits
 from ddp_triton.kernels import block_layout, dequantize_blocks, fp8, quantize_blocks, reduce_blocks, sum_slices
 from ddp_triton.kernels import cpu_fp8, torch_wire
-from wire_reference import fp8_average
+from ddp_triton.runtime.residuals import RESIDUAL_DTYPE
+from wire_reference import fp8_average, quantize_dequantize
 
 pytestmark = pytest.mark.gpu
 
@@ -181,11 +182,13 @@ def test_sharded_exchanges_over_nccl(nccl_world_of_one, options):
     assert state.passes == 3
 
 
-@pytest.mark.parametrize("options", [dict(), dict(comm_dtype=torch.float8_e4m3fn)], ids=["bf16-fp32sum", "fp8-ef"])
+@pytest.mark.parametrize("options", [dict(), dict(comm_dtype=torch.float8_e4m3fn), dict(comm_dtype="fp4e2m1+ef")],
+                         ids=["bf16-fp32sum", "fp8-ef", "fp4e2m1-ef"])
 def test_fsdp_reduce_scatter_over_nccl_same_bits_as_on_cpu(nccl_world_of_one, options):
     """FSDP2 with ours at world size 1 on CUDA (FSDP calls no reduce-scatter there), then our reduce-scatter called
     as FSDP calls it, over NCCL: the CUDA kernels and NCCL's all-to-all give the CPU path's bits (that path is
-    checked against the formats' definitions at 2 and 3 gloo ranks in tests/dist/runtime/test_fsdp.py)."""
+    checked against the formats' definitions at 2 and 3 gloo ranks in tests/dist/runtime/test_fsdp.py). The
+    block-scaled formats' residual is the one error feedback keeps, in bfloat16 (``residuals.RESIDUAL_DTYPE``)."""
     import ddp_triton.fsdp
     from torch.distributed.fsdp import fully_shard
 
@@ -203,11 +206,13 @@ def test_fsdp_reduce_scatter_over_nccl_same_bits_as_on_cpu(nccl_world_of_one, op
     on_gpu = torch.empty(sum(sizes), device="cuda")
     comm(on_gpu, flat.cuda(), dist.group.WORLD, dist.ReduceOp.AVG)
     # The CPU path of the same call: a gloo group of one in this process is not available, so the formats' own
-    # definitions at one rank stand in: bf16 rounding, or FP8 blocks that follow the chunks.
+    # definitions at one rank stand in: bf16 rounding, or FP8 / E2M1 blocks that follow the chunks (one rank's sum is
+    # its dequantized value as it is, -0.0 included: sum_blocks starts from the first rank's value).
     if options:
-        want = torch.cat([fp8_average([[part]], torch.float8_e4m3fn, scale=1.0)[0]
-                          for part in flat.split(sizes)])
-        assert_same_bits(comm.residual.cpu(), flat - want)  # what the rounding left out, kept for the next step
+        want = torch.cat([quantize_dequantize(part, state.wire.comm_dtype) for part in flat.split(sizes)])
+        # What the rounding left out, kept for the next step: computed in float32, stored rounded once to bfloat16.
+        assert comm.residual.dtype == RESIDUAL_DTYPE
+        assert_same_bits(comm.residual.cpu(), (flat - want).to(RESIDUAL_DTYPE))
     else:
         want = flat.to(torch.bfloat16).float()
     assert_same_bits(on_gpu.cpu(), want)
