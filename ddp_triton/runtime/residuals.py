@@ -4,8 +4,9 @@ Two residuals per parameter element. The first stage (what this rank's own quant
 keeps its own for every element. The second stage (what requantizing the summed shard left out) belongs to the rank
 that owns the element's block in the current layout, so it is sharded, and a new layout (DDP rebuilds its buckets
 after the first step; a fresh DDP model starts in constructor order) moves it: the ranks add up their zero-padded
-shards with one all-reduce, at the first bucket of the new layout, which every rank binds at the same point of the
-same backward. ``state_dict`` gathers them the same way, per parameter name.
+shards with one all-reduce in bfloat16 (a gather: every element is one rank's), at the first bucket of the new
+layout, which every rank binds at the same point of the same backward. ``state_dict`` gathers them the same way, per
+parameter name.
 
 The two-level exchange quantizes each node's sum, cut into one part per local rank: a rank's first stage is then
 that of its part (zero elsewhere in its ``state_dict``), and the second stage is sharded over the nodes' ranks of
@@ -109,11 +110,12 @@ class LayoutResiduals:
         return whole
 
     def whole_second(self, group: Any) -> torch.Tensor:
-        """The second stage of every bucket element: each rank's own rows placed in a zero vector and summed over
-        ``group`` (each element's row is owned by exactly one rank, so the sum is a gather). Collective."""
-        whole = torch.zeros(self.n_elements, dtype=torch.float32, device=self.second.device)
+        """The second stage of every bucket element, in ``RESIDUAL_DTYPE``: each rank's own rows placed in a zero
+        vector and summed over ``group``. Each element's row is owned by exactly one rank, so the sum is a gather,
+        exact in the residuals' own dtype: 2 bytes an element cross the link, not float32's 4. Collective."""
+        whole = torch.zeros(self.n_elements, dtype=RESIDUAL_DTYPE, device=self.second.device)
         elements, places = self.second_places()
-        whole.index_copy_(0, elements, self.second.index_select(0, places).float())
+        whole.index_copy_(0, elements, self.second.index_select(0, places))
         if group is not None:
             run_collective("all_reduce", _MOVE, dist.all_reduce, whole, group=group)
         return whole
@@ -162,7 +164,8 @@ class ResidualStore:
         held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
             first_values, second_values = self._take_pending(params, sizes, device)
-            if node_group is not None:  # every element's first stage is held by one rank of the node (or none)
+            if node_group is not None:  # every element's first stage is held by one rank of the node (or none):
+                first_values = first_values.to(RESIDUAL_DTYPE)  # a gather, exact in the residuals' dtype
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()

@@ -68,3 +68,34 @@ def _snapshot_and_regroup(rank, world_size):
 
 def test_a_thrown_away_step_is_restored_and_a_new_group_takes_what_each_rank_held():
     run_workers(_snapshot_and_regroup, 2)
+
+
+def _move_to_a_new_layout(rank, world_size):
+    store, group = ResidualStore(), dist.group.WORLD
+    sizes = (300, 212)
+    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rank)
+    held.second.copy_(torch.randn(held.second.numel(), generator=gen))  # each rank's own rows, bfloat16 values
+    before = held.whole_second(group)
+    by_param = {1: before[:300], 2: before[300:]}
+    moved = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        moved.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:  # DDP's rebuild: the same parameters, the other order, so every element's block and owner change
+        again = store.for_layout((2, 1), (212, 300), [block_layout((212, 300), world_size)], group,
+                                 torch.device("cpu"))
+    finally:
+        dist.all_reduce = all_reduce
+    after = again.whole_second(group)
+    assert torch.equal(after[:212].bfloat16().view(torch.int16), by_param[2].bfloat16().view(torch.int16))  # moved
+    assert torch.equal(after[212:].bfloat16().view(torch.int16), by_param[1].bfloat16().view(torch.int16))
+    assert moved == [2 * sum(sizes)]  # one gather of 2 bytes an element, the residuals' own dtype
+
+
+def test_a_new_layout_takes_the_second_stage_bit_for_bit_in_one_bfloat16_gather():
+    run_workers(_move_to_a_new_layout, 2)
