@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -72,15 +72,23 @@ def compiled_passes(fmt: Fp8Format) -> Optional[native_cpu.WirePasses]:
 
 @functools.lru_cache(maxsize=None)
 def _checked_compiled(dtype: torch.dtype) -> Optional[native_cpu.WirePasses]:
+    fmt = E4M3 if dtype == torch.float8_e4m3fn else E5M2
+    return _checked("e4m3" if fmt is E4M3 else "e5m2", lambda passes: _disagreement(passes, fmt), "FP8")
+
+
+def _checked(name: str, disagreement: Callable[[native_cpu.WirePasses], Optional[str]],
+             what: str) -> Optional[native_cpu.WirePasses]:
+    """The library's passes of format ``name`` ("e4m3", "e5m2", "e2m1") where it builds and ``disagreement`` finds
+    none of their bits other than the torch passes'; else None, warned where the bits differ (the plain-torch ``what``
+    path, FP8 or E2M1, is taken). ``cpu_fp4`` shares it."""
     library = native_cpu.library()
     if library is None:
         return None
-    fmt = E4M3 if dtype == torch.float8_e4m3fn else E5M2
-    passes = library["e4m3" if fmt is E4M3 else "e5m2"]
-    problem = _disagreement(passes, fmt)
+    passes = library[name]
+    problem = disagreement(passes)
     if problem is not None:
-        warnings.warn(f"ddp_triton: the compiled CPU FP8 passes differ from the torch passes ({problem}) and are "
-                      "not used; CPU tensors take the plain-torch FP8 path", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ddp_triton: the compiled CPU {what} passes differ from the torch passes ({problem}) and are "
+                      f"not used; CPU tensors take the plain-torch {what} path", RuntimeWarning, stacklevel=4)
         return None
     return passes
 
@@ -107,57 +115,85 @@ def _self_check_values(n: int, seed: int) -> torch.Tensor:
 
 
 def _disagreement(passes: native_cpu.WirePasses, fmt: Fp8Format) -> Optional[str]:
-    """Where the compiled passes' bits differ from the torch passes' on values over float32's range (quantize with
-    error feedback in float32 and in bfloat16 and at scale 1 without, a reduce over three ranks with each residual,
-    dequantize to float32 and bfloat16 with canonical NaNs), or None."""
+    """Where the compiled passes' bits differ from the torch passes' on values over float32's range
+    (:func:`_passes_disagreement`), or None."""
+    problem = _passes_disagreement(_compiled_set(passes, ROW_BYTES), _torch_set(fmt), ROW_BYTES, _self_check_values,
+                                   probe_blocks=5)
+    return None if problem is None else f"{fmt.dtype}: {problem}"
+
+
+class _PassSet(NamedTuple):
+    """A format's four passes with ``torch_fp4``'s arguments, each giving the pass over the tensors it is given as a
+    call: the torch passes, or the compiled ones (:func:`_compiled_set`). ``cpu_fp4`` shares it."""
+
+    quantize: Callable[..., Callable[[], None]]  # (src, layout, rows, scale, residual)
+    reduce: Callable[..., Callable[[], None]]  # (received, n_ranks, out_rows, residual)
+    dequantize: Callable[..., Callable[[], None]]  # (rows, layout, dst, stats, canonical_nan)
+    sum_blocks: Optional[Callable[..., Callable[[], None]]] = None  # (received, n_ranks, layout, out)
+
+
+def _compiled_set(passes: native_cpu.WirePasses, row_bytes: int) -> _PassSet:
+    """The compiled passes of a format whose rows are ``row_bytes`` long, through this module's wrappers."""
+    wrappers = (_compiled_quantize, _compiled_reduce, _compiled_dequantize, _compiled_sum_blocks)
+    return _PassSet(*(functools.partial(wrapper, passes, row_bytes=row_bytes) for wrapper in wrappers))
+
+
+def _torch_set(fmt: Fp8Format) -> _PassSet:
+    """``torch_wire``'s passes of ``fmt`` as the first-use check compares them: not the sum of blocks, whose NaNs
+    in a block that is not finite keep torch's payloads (0x7FF00000 for E4M3) where the compiled one's are
+    canonical."""
+    return _PassSet(
+        lambda src, layout, rows, scale, residual: torch_wire.quantize_pass(src, layout, rows, scale, fmt, residual),
+        lambda received, n_ranks, out, residual: torch_wire.reduce_pass(received, n_ranks, out, fmt, residual),
+        lambda rows, layout, dst, stats, nan: torch_wire.dequantize_pass(rows, layout, dst, fmt, stats, nan))
+
+
+def _passes_disagreement(compiled: _PassSet, reference: _PassSet, row_bytes: int,
+                         values: Callable[[int, int], torch.Tensor], probe_blocks: int) -> Optional[str]:
+    """Where ``compiled``'s bits differ from ``reference``'s (quantize with error feedback in float32 and in bfloat16
+    and at scale 1 without, a reduce over three ranks with each residual, dequantize to float32 and bfloat16 with
+    canonical NaNs, and where ``reference`` has one a sum of blocks over three ranks), or None. ``values(n, seed)``
+    gives the values, its probes (ties, blocks not finite) in its first ``probe_blocks`` blocks, which the layout's
+    second tensor holds. ``cpu_fp4`` shares it."""
     from .blocks import block_layout
 
     n, ranks = 17 * BLOCK_ELEMENTS + 77, 3  # a shard of 6 blocks or more: room for every kind of block
-    layout = block_layout([77, 5 * BLOCK_ELEMENTS + 3, n - 5 * BLOCK_ELEMENTS - 80], ranks)  # short blocks inside
-    src = _self_check_values(n, seed=1)
+    middle = probe_blocks * BLOCK_ELEMENTS + 3
+    layout = block_layout([77, middle, n - 77 - middle], ranks)  # short blocks inside
+    src = values(n, 1)
     results = []
-    for native in (True, False):
-        residual = _self_check_values(n, seed=2) * 2.0**-10
-        rows = torch.zeros(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
-        if native:
-            _compiled_quantize(passes, src, layout, rows, 0.5, residual)()
-        else:
-            torch_wire.quantize_pass(src, layout, rows, 0.5, fmt, residual)()
-        received = torch.cat([rows[: layout.rows_per_shard * ROW_BYTES]] * ranks)
-        out = torch.zeros(layout.rows_per_shard * ROW_BYTES, dtype=torch.uint8)
-        shard_residual = _self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=3) * 2.0**-12
+    for passes in (compiled, reference):
+        residual = values(n, 2) * 2.0**-10
+        rows = torch.zeros(layout.n_rows * row_bytes, dtype=torch.uint8)
+        passes.quantize(src, layout, rows, 0.5, residual)()
+        received = torch.cat([rows[: layout.rows_per_shard * row_bytes]] * ranks)
+        out = torch.zeros(layout.rows_per_shard * row_bytes, dtype=torch.uint8)
+        shard_residual = values(layout.rows_per_shard * BLOCK_ELEMENTS, 3) * 2.0**-12
         dst, dst16 = torch.empty(n), torch.empty(n, dtype=torch.bfloat16)
         plain = torch.zeros_like(rows)  # the other quantize: scale 1, no residual
-        if native:
-            _compiled_reduce(passes, received, ranks, out, shard_residual)()
-            _compiled_dequantize(passes, rows, layout, dst, None, True)()
-            _compiled_dequantize(passes, rows, layout, dst16, None, True)()
-            _compiled_quantize(passes, src, layout, plain, 1.0, None)()
-        else:
-            torch_wire.reduce_pass(received, ranks, out, fmt, shard_residual)()
-            torch_wire.dequantize_pass(rows, layout, dst, fmt, None, True)()
-            torch_wire.dequantize_pass(rows, layout, dst16, fmt, None, True)()
-            torch_wire.quantize_pass(src, layout, plain, 1.0, fmt, None)()
+        passes.reduce(received, ranks, out, shard_residual)()
+        passes.dequantize(rows, layout, dst, None, True)()
+        passes.dequantize(rows, layout, dst16, None, True)()
+        passes.quantize(src, layout, plain, 1.0, None)()
         # Error feedback again with bfloat16 residuals: widened to add, rounded once to store.
-        residual16 = (_self_check_values(n, seed=4) * 2.0**-10).bfloat16()
-        shard16 = (_self_check_values(layout.rows_per_shard * BLOCK_ELEMENTS, seed=5) * 2.0**-12).bfloat16()
+        residual16 = (values(n, 4) * 2.0**-10).bfloat16()
+        shard16 = (values(layout.rows_per_shard * BLOCK_ELEMENTS, 5) * 2.0**-12).bfloat16()
         rows16, out16 = torch.zeros_like(rows), torch.zeros_like(out)
-        if native:
-            _compiled_quantize(passes, src, layout, rows16, 0.5, residual16)()
-            _compiled_reduce(passes, received, ranks, out16, shard16)()
-        else:
-            torch_wire.quantize_pass(src, layout, rows16, 0.5, fmt, residual16)()
-            torch_wire.reduce_pass(received, ranks, out16, fmt, shard16)()
-        bf16_results = {"rows with a bfloat16 residual": rows16, "bfloat16 residual": residual16.view(torch.int16),
-                        "reduced rows with a bfloat16 residual": out16,
-                        "reduce's bfloat16 residual": shard16.view(torch.int16)}
+        passes.quantize(src, layout, rows16, 0.5, residual16)()
+        passes.reduce(received, ranks, out16, shard16)()
         results.append({"quantized rows": rows, "residual": residual.view(torch.int32), "reduced rows": out,
                         "reduce's residual": shard_residual.view(torch.int32), "dequantized": dst.view(torch.int32),
                         "dequantized to bfloat16": dst16.view(torch.int16), "rows at scale 1 without residual": plain,
-                        **bf16_results})
+                        "rows with a bfloat16 residual": rows16, "bfloat16 residual": residual16.view(torch.int16),
+                        "reduced rows with a bfloat16 residual": out16,
+                        "reduce's bfloat16 residual": shard16.view(torch.int16)})
+        if reference.sum_blocks is not None:
+            summed = torch.empty(n)
+            passes.sum_blocks(torch.cat([rows] * ranks), ranks, layout, summed)()
+            results[-1]["sum of blocks"] = summed.view(torch.int32)
     for what, got in results[0].items():
         if not torch.equal(got, results[1][what]):
-            return f"{fmt.dtype}: the {what}"
+            return f"the {what}"
     return None
 
 
