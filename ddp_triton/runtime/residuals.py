@@ -95,10 +95,12 @@ class LayoutResiduals:
         for layout in self.layouts:
             rows = layout.rows_per_shard * BLOCK_ELEMENTS
             count = min(layout.n_elements, end - element)
-            at = layout.positions()[:count].to(self.second.device) - self.shard * rows
-            mine = ((at >= 0) & (at < rows)).nonzero().view(-1)
-            elements.append(mine + element)
-            places.append(at.index_select(0, mine) + place)
+            positions = layout.positions()[:count]  # increasing: this shard's rows hold one run of elements
+            bounds = torch.tensor([self.shard * rows, (self.shard + 1) * rows], dtype=torch.int64)
+            lo, hi = torch.searchsorted(positions, bounds).tolist()
+            device = self.second.device
+            elements.append(torch.arange(element + lo, element + hi, dtype=torch.int64, device=device))
+            places.append(positions[lo:hi].to(device) - (self.shard * rows - place))
             element, place = element + layout.n_elements, place + rows
         return torch.cat(elements), torch.cat(places)
 

@@ -145,6 +145,18 @@ def test_a_small_tensor_keeps_its_own_scale():
     assert (out[100:] != 0).all()
 
 
+@pytest.mark.parametrize("sizes", [(0,), (5,), (128,), (129, 0, 3), (256, 128, 1, 0, 0, 300), (1000, 7, 130, 8192)])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_block_positions_place_each_element_in_its_blocks_row(sizes, shards):
+    """positions(): element e of the bucket sits at row * 128 + (e - the row's first element), its row the block
+    table's row that holds it; padding rows hold none."""
+    layout = block_layout(list(sizes), shards)
+    want = []
+    for row, (start, length) in enumerate(layout.table.tolist()):
+        want.extend(row * 128 + i for i in range(length))
+    assert layout.positions().tolist() == want
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sizes", SIZES[2:])  # ragged and many tiny: every block shape the others have
