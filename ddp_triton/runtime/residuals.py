@@ -105,8 +105,8 @@ class LayoutResiduals:
         return torch.cat(elements), torch.cat(places)
 
     def first_in_bucket(self) -> torch.Tensor:
-        """This rank's first stage of every bucket element (zero outside its span)."""
-        whole = torch.zeros(self.n_elements, dtype=torch.float32, device=self.first.device)
+        """This rank's first stage of every bucket element (zero outside its span), in ``RESIDUAL_DTYPE``."""
+        whole = torch.zeros(self.n_elements, dtype=RESIDUAL_DTYPE, device=self.first.device)
         start, end = self.span
         whole[start:end].copy_(self.first[: end - start])
         return whole
@@ -165,13 +165,12 @@ class ResidualStore:
                              device=device)
         held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
-            first_values, second_values = self._take_pending(params, sizes, device)
+            first_values, second_values = self._take_pending(params, sizes, device, RESIDUAL_DTYPE)
             if node_group is not None:  # every element's first stage is held by one rank of the node (or none):
-                first_values = first_values.to(RESIDUAL_DTYPE)  # a gather, exact in the residuals' dtype
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()
-            second.index_copy_(0, places, second_values.index_select(0, elements).to(RESIDUAL_DTYPE))
+            second.index_copy_(0, places, second_values.index_select(0, elements))
         self.layouts[params] = held
         return held
 
@@ -188,7 +187,7 @@ class ResidualStore:
         self._retire_overlapping(params, group)
         if not any(p in self.pending_first or p in self.pending_second for p in params):
             return None
-        first, second = self._take_pending(params, sizes, device)
+        first, second = self._take_pending(params, sizes, device, torch.float32)  # a sum over the ranks: float32
         run_collective("all_reduce", _MOVE, dist.all_reduce, first, group=group)
         return first.add_(second)
 
@@ -199,11 +198,11 @@ class ResidualStore:
         if overlapping:
             self._retire(overlapping, group)
 
-    def _take_pending(self, params: Tuple[int, ...], sizes: Tuple[int, ...],
-                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The pending residuals of ``params`` (of ``sizes`` elements), in bucket order (zero where none), taken out
-        of pending: the first stage's and the second's."""
-        first = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    def _take_pending(self, params: Tuple[int, ...], sizes: Tuple[int, ...], device: torch.device,
+                      dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pending residuals of ``params`` (of ``sizes`` elements), in bucket order (zero where none) and
+        ``dtype``, taken out of pending: the first stage's and the second's."""
+        first = torch.zeros(sum(sizes), dtype=dtype, device=device)
         second = torch.zeros_like(first)
         start = 0
         for param, size in zip(params, sizes):
@@ -218,9 +217,9 @@ class ResidualStore:
         for held in layouts:
             whole = held.whole_second(group)
             first = held.first_in_bucket()
-            for param, part in held.slices():
-                self.pending_first[param] = first[part].clone()
-                self.pending_second[param] = whole[part].clone()
+            for param, part in held.slices():  # views of the two fresh vectors, freed with the last one taken
+                self.pending_first[param] = first[part]
+                self.pending_second[param] = whole[part]
             held.alive = False
             del self.layouts[held.params]
 
