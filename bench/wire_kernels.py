@@ -7,10 +7,10 @@ For a float32 bucket of ``--mb`` MiB and ``--ranks`` ranks (one process: the all
 simulated, each rank's slice the same bytes), times each launch the exchanges make, as a DDP bucket's exchange runs
 them (``kernels.<op>.prepare(...).fixed(...)``: direct launches), and counts the bytes it must move:
 
-- quantize (FP8 E4M3, error feedback): reads the bucket (4 B) and the residual (4 B), writes the residual (4 B) and
-  the rows (132/128 B) per element;
+- quantize (FP8 E4M3, error feedback): reads the bucket (4 B) and the residual (2 B: bfloat16, as the runtime keeps
+  residuals), writes the residual (2 B) and the rows (132/128 B) per element;
 - reduce (N ranks, error feedback): reads N rows per row of its shard (N * 132 B per 128 elements) and the shard's
-  residual, writes it and the new row: per shard element N * 132/128 + 4 + 4 + 132/128 B;
+  residual, writes it and the new row: per shard element N * 132/128 + 2 + 2 + 132/128 B;
 - dequantize (to float32, no stats): reads the rows (132/128 B), writes the bucket (4 B);
 - sum of blocks (FSDP's FP8 reduce-scatter, N ranks): reads N rows per row of its shard, writes float32: per shard
   element N * 132/128 + 4 B;
@@ -49,6 +49,7 @@ from bench.kernels import copy_ceiling_gbps  # noqa: E402
 from ddp_triton.kernels import (FP4_E2M1, block_layout, dequantize_blocks, quantize_blocks,  # noqa: E402
                                 reduce_blocks, row_bytes, sum_blocks, sum_slices)
 from ddp_triton.kernels.fp8 import ROW_BYTES  # noqa: E402
+from ddp_triton.runtime.residuals import RESIDUAL_DTYPE  # noqa: E402
 
 MiB = 1 << 20
 
@@ -57,13 +58,14 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
     n = int(mb * MiB) // 4
     layout = block_layout([n], ranks)
     bucket = torch.randn(n, device=device)
-    residual = torch.zeros(n, device=device)
+    residual = torch.zeros(n, dtype=RESIDUAL_DTYPE, device=device)
     send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device)
     quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual)
     shard_rows = layout.rows_per_shard
     received = send.view(-1)[: shard_rows * ROW_BYTES].repeat(ranks)  # N ranks' copies of one shard
     shard = torch.empty(shard_rows * ROW_BYTES, dtype=torch.uint8, device=device)
-    shard_residual = torch.zeros(shard_rows * 128, device=device)
+    shard_residual = torch.zeros(shard_rows * 128, dtype=RESIDUAL_DTYPE, device=device)
+    summed = torch.empty(shard_rows * 128, device=device)  # FSDP's float32 reduce-scatter output
     out = torch.empty_like(bucket)
     wire16 = bucket.to(torch.bfloat16)
     slice_n = -(-n // ranks)
@@ -73,20 +75,20 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
     shard_layout = block_layout([shard_rows * 128], 1)  # one shard's worth of whole blocks
     cases = [
         ("quantize e4m3 +ef", quantize_blocks.prepare(bucket, layout, send, 1.0 / ranks, residual=residual).fixed(
-            bucket, send, residual), n * (4 + 4 + 4 + row_bytes_per_element)),
+            bucket, send, residual), n * (4 + 2 + 2 + row_bytes_per_element)),
         (f"reduce e4m3 x{ranks} +ef", reduce_blocks.prepare(received, ranks, shard, residual=shard_residual).fixed(
             received, shard, shard_residual),
-         shard_rows * 128 * (ranks * row_bytes_per_element + 8 + row_bytes_per_element)),
+         shard_rows * 128 * (ranks * row_bytes_per_element + 4 + row_bytes_per_element)),
         ("dequantize e4m3 -> fp32", dequantize_blocks.prepare(send, layout, out).fixed(send, out, None),
          n * (row_bytes_per_element + 4)),
         # FSDP's end: the N ranks' rows of one shard summed into float32 (shard_rows rows a rank)
-        (f"sum blocks e4m3 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, shard_residual).fixed(
-            received, shard_residual), shard_rows * 128 * (ranks * row_bytes_per_element + 4)),
+        (f"sum blocks e4m3 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, summed).fixed(
+            received, summed), shard_rows * 128 * (ranks * row_bytes_per_element + 4)),
         (f"sum slices bf16 x{ranks}", sum_slices.prepare(slices16, ranks, summed16).fixed(slices16, summed16),
          slice_n * (ranks * 2 + 2)),
         ("torch copy_ fp32 -> bf16", lambda: wire16.copy_(bucket), n * 6),
     ]
-    cases[5:5] = _e2m1_cases(bucket, layout, residual, shard_residual, out, ranks)
+    cases[5:5] = _e2m1_cases(bucket, layout, residual, shard_residual, summed, out, ranks)
     out_rows = []
     for name, fn, nbytes in cases:
         us = bench_us(fn, device)
@@ -97,7 +99,7 @@ def rows(mb: float, ranks: int, ceiling: float, device: torch.device) -> List[Di
 
 
 def _e2m1_cases(bucket: torch.Tensor, layout: Any, residual: torch.Tensor, shard_residual: torch.Tensor,
-                out: torch.Tensor, ranks: int) -> List[Any]:
+                summed: torch.Tensor, out: torch.Tensor, ranks: int) -> List[Any]:
     """The same launches in E2M1 (68-byte rows): quantize, reduce and dequantize with their bytes, and FSDP's sum."""
     row4 = row_bytes(FP4_E2M1)
     per = row4 / 128
@@ -111,15 +113,15 @@ def _e2m1_cases(bucket: torch.Tensor, layout: Any, residual: torch.Tensor, shard
     return [
         ("quantize e2m1 +ef", quantize_blocks.prepare(bucket, layout, send, 1.0 / ranks, fmt=FP4_E2M1,
                                                       residual=residual).fixed(bucket, send, residual),
-         n * (4 + 4 + 4 + per)),
+         n * (4 + 2 + 2 + per)),
         (f"reduce e2m1 x{ranks} +ef", reduce_blocks.prepare(received, ranks, shard, fmt=FP4_E2M1,
                                                             residual=shard_residual).fixed(received, shard,
                                                                                            shard_residual),
-         shard_rows * 128 * (ranks * per + 8 + per)),
+         shard_rows * 128 * (ranks * per + 4 + per)),
         ("dequantize e2m1 -> fp32", dequantize_blocks.prepare(send, layout, out, fmt=FP4_E2M1).fixed(send, out, None),
          n * (per + 4)),
-        (f"sum blocks e2m1 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, shard_residual,
-                                                                 fmt=FP4_E2M1).fixed(received, shard_residual),
+        (f"sum blocks e2m1 x{ranks} -> fp32", sum_blocks.prepare(received, ranks, shard_layout, summed,
+                                                                 fmt=FP4_E2M1).fixed(received, summed),
          shard_rows * 128 * (ranks * per + 4)),
     ]
 
@@ -133,13 +135,13 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     bucket = torch.randn(n, generator=gen)
     layout = block_layout([n], ranks)
-    residual = torch.zeros(n)
+    residual = torch.zeros(n, dtype=RESIDUAL_DTYPE)
     send = torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8)
     quantize_blocks(bucket, layout, send, 1.0 / ranks, residual=residual)
     shard_rows = layout.rows_per_shard
     received = send[: shard_rows * ROW_BYTES].repeat(ranks)
     shard = torch.empty(shard_rows * ROW_BYTES, dtype=torch.uint8)
-    shard_residual = torch.zeros(shard_rows * 128)
+    shard_residual = torch.zeros(shard_rows * 128, dtype=RESIDUAL_DTYPE)
     grads = torch.empty_like(bucket)
     wire16 = torch.empty(n, dtype=torch.bfloat16)
     slice_n = -(-n // ranks)
@@ -158,7 +160,8 @@ def cpu_rows(mb: float, ranks: int) -> Dict[str, Any]:
     }
     # E2M1 with error feedback: the same bucket, residuals and passes in 68-byte rows (its residuals of their own).
     fp4_bytes = row_bytes(FP4_E2M1)
-    residual4, shard_residual4 = torch.zeros(n), torch.zeros(shard_rows * 128)
+    residual4 = torch.zeros(n, dtype=RESIDUAL_DTYPE)
+    shard_residual4 = torch.zeros(shard_rows * 128, dtype=RESIDUAL_DTYPE)
     send4 = torch.empty(layout.n_rows * fp4_bytes, dtype=torch.uint8)
     quantize_blocks(bucket, layout, send4, 1.0 / ranks, fmt=FP4_E2M1, residual=residual4)
     received4 = send4[: shard_rows * fp4_bytes].repeat(ranks)
