@@ -166,7 +166,7 @@ class ResidualStore:
         held = LayoutResiduals(params, sizes, layouts, span, shard, first, second)
         if node_group is not None or any(p in self.pending_first or p in self.pending_second for p in params):
             first_values, second_values = self._take_pending(params, sizes, device, RESIDUAL_DTYPE)
-            if node_group is not None:  # every element's first stage is held by one rank of the node (or none):
+            if node_group is not None:  # each element's first stage is one node rank's (or none's): a gather
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
             first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()
