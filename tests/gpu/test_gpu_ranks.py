@@ -165,8 +165,9 @@ def needs(case: Case, world_size: int, node_sum: str) -> List[str]:
     comm = case.options["comm_dtype"]
     float32_sums = case.options.get("accumulate_dtype") == torch.float32
     flat_ranks = world_size // LOCAL if case.options.get("hierarchical") else world_size  # the cross hop's ranks
-    if comm == FP8:  # all-to-all and all-gather of bytes; the residuals' re-slice at a new layout: an all-reduce
-        wanted = ["all_to_all uint8", "all_gather uint8", "all_reduce float32"]
+    if comm == FP8:  # all-to-all and all-gather of bytes; the residuals' re-slice at a new layout and state_dict's
+        # gather: an all-reduce in the residuals' dtype (residuals.RESIDUAL_DTYPE, bfloat16)
+        wanted = ["all_to_all uint8", "all_gather uint8", "all_reduce bfloat16"]
     elif float32_sums and flat_ranks > 2:
         wanted = ["all_to_all bfloat16", "all_gather bfloat16"]
     else:
