@@ -31,11 +31,13 @@ def gradient_like(sizes, seed=0):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_kernels_same_bits_as_torch_path_on_cuda(fmt, dtype):
+    """Quantize, reduce and dequantize with the residuals error feedback keeps (``RESIDUAL_DTYPE``): the kernels add
+    them in float32 and round what is left once to their dtype, in hardware here."""
     sizes, ranks = [1000, 129, 3, 70000, 128], 3
     spec = fp8.FORMATS[fmt]
     layout = block_layout(sizes, ranks)
     x = gradient_like(sizes).to(dtype)
-    residual = gradient_like(sizes, seed=1) * 1e-3
+    residual = (gradient_like(sizes, seed=1) * 1e-3).to(RESIDUAL_DTYPE)
     rows = torch.empty(layout.n_rows * fp8.ROW_BYTES, dtype=torch.uint8)
     res = residual.clone()
     cpu_fp8.quantize_pass(x, layout, rows, 0.25, spec, res)()
@@ -45,7 +47,8 @@ def test_fp8_kernels_same_bits_as_torch_path_on_cuda(fmt, dtype):
     assert_same_bits(res_gpu.cpu(), res)
     per = layout.rows_per_shard
     received = rows.view(-1, fp8.ROW_BYTES)[:per].repeat(ranks, 1).reshape(-1)
-    out, shard_res = torch.empty(per * fp8.ROW_BYTES, dtype=torch.uint8), torch.full((per * 128,), 1e-4)
+    out = torch.empty(per * fp8.ROW_BYTES, dtype=torch.uint8)
+    shard_res = torch.full((per * 128,), 1e-4, dtype=RESIDUAL_DTYPE)
     out_gpu, shard_res_gpu = out.cuda(), shard_res.cuda()
     cpu_fp8.reduce_pass(received, ranks, out, spec, shard_res)()
     reduce_blocks(received.cuda(), ranks, out_gpu, fmt=fmt, residual=shard_res_gpu)
