@@ -219,18 +219,20 @@ def gradient_list_rows(device: torch.device, shapes: List[tuple], ceiling: float
 
 def fsdp_group_calls(device: torch.device) -> List[Tuple[str, str, Callable[[], None], int]]:
     """(key, what, call, calls per round) for the kernel calls of one FSDP group's FP8 reduce-scatter (quantize with
-    the residual, then the sum of the ranks' blocks; 8 ranks, 8 parameter chunks of a block each, so that the GPU
-    is never the limit): plain calls, and the prepared calls the group keeps, through ``PreparedCalls.run`` as
-    ``runtime/fsdp.py`` runs them, on the same buffers every call or on other ones every other call (FSDP's buffers
-    are new each step: the caching allocator often, not always, hands back the same addresses)."""
+    the residual it keeps, in ``RESIDUAL_DTYPE``, then the sum of the ranks' blocks; 8 ranks, 8 parameter chunks of a
+    block each, so that the GPU is never the limit): plain calls, and the prepared calls the group keeps, through
+    ``PreparedCalls.run`` as ``runtime/fsdp.py`` runs them, on the same buffers every call or on other ones every
+    other call (FSDP's buffers are new each step: the caching allocator often, not always, hands back the same
+    addresses)."""
     from ddp_triton.kernels import block_layout, quantize_blocks, sum_blocks
     from ddp_triton.kernels.fp8 import ROW_BYTES
     from ddp_triton.runtime.prepared_calls import PreparedCalls
+    from ddp_triton.runtime.residuals import RESIDUAL_DTYPE
 
     ranks, sizes, scale, fmt = 8, (128, 96, 128, 64, 128, 96, 128, 64), 0.125, torch.float8_e4m3fn
     layout, row_layout = block_layout(sizes * ranks, ranks), block_layout(sizes, 1)
     buffers = [(torch.randn(layout.n_elements, device=device), torch.empty(layout.n_rows * ROW_BYTES,
-                dtype=torch.uint8, device=device), torch.zeros(layout.n_elements, device=device),
+                dtype=torch.uint8, device=device), torch.zeros(layout.n_elements, dtype=RESIDUAL_DTYPE, device=device),
                 torch.empty(layout.n_rows * ROW_BYTES, dtype=torch.uint8, device=device),
                 torch.empty(row_layout.n_elements, device=device)) for _ in range(2)]
     calls, turns = PreparedCalls(), iter(range(1 << 62))
