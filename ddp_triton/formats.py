@@ -224,6 +224,13 @@ class WireFormat:
         the all-to-all and the all-gather can be one all-reduce of the same bytes: one collective fewer."""
         return n_ranks == 2 and self.sharded and not self.block_scaled
 
+    def one_all_gather(self, n_ranks: int) -> bool:
+        """Whether exchanging in this format over ``n_ranks`` is one all-gather of every rank's whole rows and a
+        float32 sum of them in rank order: the block-scaled formats over two ranks. Each rank then sends the one
+        peer's copy of its rows, the bytes of the all-to-all and the all-gather together, in one collective and
+        with no second rounding (no requantized sum); over more ranks it would send N/2 times the bytes."""
+        return n_ranks == 2 and self.block_scaled
+
     def chunks_keep_bits(self, ranks_per_node: int, nodes: int, node_reduce_scatter: bool = True) -> bool:
         """Whether every sum of this format's exchange gives an element the same bits wherever it lies in the
         buffer, so that a bucket cut into chunks is bit-identical to the whole one. An all-reduce of three or more

@@ -2,7 +2,9 @@
 
 Block-scaled FP8: each tensor cut into blocks of 128 elements (its last one short); a block's scale is the smallest
 power of two 2^e (e >= -126) with absmax / 2^e <= the format's largest finite value, found by a search in float64;
-the codes are ``tensor.to(torch.float8_*)`` of value / 2^e. Sums are float32, in rank order.
+the codes are ``tensor.to(torch.float8_*)`` of value / 2^e. Sums are float32, in rank order. Over more than two
+ranks the sum is quantized again (its own error feedback: the second residual); over two it is the result (one
+all-gather of the whole rows, one rounding), from the first rank's value.
 
 Block-scaled E2M1 (4-bit): the same blocks, a power-of-two scale per group of 32 found by a search, each value the
 nearest E2M1 magnitude by distance in float64 (``fp4_block``).
@@ -45,15 +47,16 @@ def quantize_dequantize(values: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
 def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, first: List[List[torch.Tensor]] = None,
                 second: List[torch.Tensor] = None, scale: float = None) -> List[torch.Tensor]:
     """The average of each tensor over ranks as FP8 with float32 sums: quantize each rank's ``g / N (+ its first
-    residual)``, sum the dequantized values in rank order, add the second residual, quantize again. With residual
-    lists given (per rank, per tensor; per tensor), they are updated in place, as error feedback does, each kept in
-    bfloat16 as the runtime keeps it (``kept``). ``scale``:
-    what g is multiplied by instead of 1 / N (1.0 for values already divided)."""
+    residual)``, sum the dequantized values in rank order, add the second residual, quantize again; over two ranks
+    the float32 sum of the two dequantized values (the first rank's plus the second's) is the average, not quantized
+    again, and the second residuals stay as they are. With residual lists given (per rank, per tensor; per tensor),
+    they are updated in place, as error feedback does, each kept in bfloat16 as the runtime keeps it (``kept``).
+    ``scale``: what g is multiplied by instead of 1 / N (1.0 for values already divided)."""
     n = len(per_rank)
     scale = 1.0 / n if scale is None else scale
     averaged = []
     for i in range(len(per_rank[0])):
-        total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
+        sents = []
         for r in range(n):
             value = per_rank[r][i].float() * scale if scale != 1.0 else per_rank[r][i].float()
             if first is not None:
@@ -61,6 +64,12 @@ def fp8_average(per_rank: Sequence[Sequence[torch.Tensor]], fmt: torch.dtype, fi
             sent = quantize_dequantize(value, fmt)
             if first is not None:
                 first[r][i] = kept(_left_over(value, sent))
+            sents.append(sent)
+        if n == 2:  # one rounding: the sum of what the two ranks sent, in float32
+            averaged.append(sents[0] + sents[1])
+            continue
+        total = torch.zeros_like(per_rank[0][i], dtype=torch.float32)
+        for sent in sents:
             total = total + sent
         if second is not None:
             total = total + second[i]

@@ -58,7 +58,7 @@ Not here yet: the distributed checkpoint's planner for the residuals.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ from ..machine.profile import AUTO_FORMAT
 from ..kernels.blocks import BlockLayout
 from ..kernels.fp8 import BLOCK_ELEMENTS
 from .collective_errors import run_collective
-from .wire_exchanges import ShardedExchange, block_fp8_exchange, float32_sum_exchange
+from .wire_exchanges import GatheredExchange, ShardedExchange, block_fp8_exchange, float32_sum_exchange
 from .prepared_calls import PreparedCalls
 from .fsdp_online import FSDPTuning, TunedReduceScatter
 from .fsdp_state import FSDPCommState, param_groups
@@ -255,7 +255,7 @@ class ReplicaAverage:
         run_collective("all_reduce", self.subject, dist.all_reduce, sent, group=self.group)
         run(("unpack", post), lambda f, ts, st: kernels.unpack.prepare(f, ts, post, stats=st), sent, [flat], None)
 
-    def _fp8_exchange(self, flat: torch.Tensor) -> ShardedExchange:
+    def _fp8_exchange(self, flat: torch.Tensor) -> Union[ShardedExchange, GatheredExchange]:
         sizes = tuple(self.comm.chunk_sizes())
         if sum(sizes) != flat.numel():
             raise RuntimeError(f"the shard FSDP hands the replica hop has {flat.numel()} elements; its parameters' "

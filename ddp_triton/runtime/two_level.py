@@ -39,7 +39,8 @@ from ..machine.cost_model import two_level_part
 from ..kernels import BlockLayout
 from .chunks import boundaries, cuts, element_boundaries, pieces_within
 from .exchange import ChunkedExchange, Stage, StagedExchange, nothing
-from .wire_exchanges import ShardedExchange, all_gather_into, block_fp8_exchange, float32_sum_exchange
+from .wire_exchanges import (GatheredExchange, ShardedExchange, all_gather_into, block_fp8_exchange,
+                             float32_sum_exchange)
 from .nodes import NodeGroups, reduce_scatter_single
 from .residuals import LayoutResiduals, ResidualStore
 from .telemetry import IN_NODE, BucketRecord, wire_name
@@ -159,7 +160,7 @@ def _chunk(buffer: torch.Tensor, send: torch.Tensor, shard: torch.Tensor,
     if layout is None and (not wire.sharded or wire.one_all_reduce(nodes.n_nodes)):
         cross_stages, cross_finish, cross_held, cross_bytes = _cross_all_reduce(shard, wire, cross_group, post_scale)
     else:
-        cross: ShardedExchange = (
+        cross: Union[ShardedExchange, GatheredExchange] = (
             block_fp8_exchange(shard[:length], wire.flat(), layout, cross_group, nodes.n_nodes, 1.0, residual, None,
                                record=record)
             if layout is not None else

@@ -5,6 +5,8 @@
   (``formats.py``; the block-scaled one serves FP8 and E2M1 alike). A kernel packs (or quantizes) the bucket into
   the send buffer, an all-to-all hands each rank the N copies of its shard, a kernel sums them in float32 (and
   requantizes), an all-gather returns every shard, and a kernel unpacks (or dequantizes) into DDP's bucket. One rank's bytes sent equal a ring all-reduce's.
+  Over two ranks the block-scaled one is one all-gather of each rank's whole rows (``GatheredExchange``), the same
+  bytes, summed in float32 in rank order into the bucket: no requantization (``WireFormat.one_all_gather``).
 - ``chunked_fp8_exchange``: the FP8 exchange of a bucket cut into chunks at block boundaries (``chunks.py``), one
   ``block_fp8_exchange`` per chunk: the same blocks, so the same bits.
 
@@ -17,7 +19,7 @@ node-crossing hop is one of them over the cross group.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,24 @@ class ShardedExchange(StagedExchange):
     def collective_bytes(self) -> Tuple[int, int]:
         """Bytes handed to the all-to-all (the whole send buffer) and to the all-gather (this rank's shard)."""
         return self.send.numel() * self.send.element_size(), self.shard.numel() * self.shard.element_size()
+
+
+class GatheredExchange(StagedExchange):
+    """One all-gather of every rank's whole send buffer, then the last computation on all of them: the block-scaled
+    formats over two ranks (``WireFormat.one_all_gather``), the bytes of the all-to-all and the all-gather together
+    in one collective."""
+
+    def __init__(self, buffer: torch.Tensor, group: Any, send: torch.Tensor, recv: torch.Tensor,
+                 prepare: Callable[[], None], finish: Callable[[], None], held: Sequence[torch.Tensor]) -> None:
+        stage = Stage("pack", prepare, "all_gather",
+                      lambda: all_gather_into(recv, send, group=group, async_op=True), group)
+        super().__init__(buffer, [stage], finish, (send, recv, *held))
+        self.send, self.recv = send, recv
+
+    def collective_bytes(self) -> Tuple[int, int]:
+        """Bytes handed to the all-gather (the whole send buffer) and to an all-gather of shards (none), as
+        ``ShardedExchange.collective_bytes``."""
+        return self.send.numel() * self.send.element_size(), 0
 
 
 def all_reduce_options(op: Any) -> Any:
@@ -110,24 +130,33 @@ def float32_sum_exchange(buffer: torch.Tensor, wire: WireFormat, group: Any, wor
 def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayout, group: Any, world_size: int,
                        pre_scale: float, residual: Optional[Tuple[torch.Tensor, torch.Tensor]],
                        stats: Optional[torch.Tensor], prepared: Optional[PreparedCalls] = None,
-                       record: Optional[BucketRecord] = None) -> ShardedExchange:
+                       record: Optional[BucketRecord] = None) -> Union[ShardedExchange, GatheredExchange]:
     """Block-scaled FP8 or E2M1 (``wire.comm_dtype`` is the passes' ``fmt``, its rows ``kernels.row_bytes(fmt)``
     bytes): quantize (with error feedback: ``residual``, the first and second stages it adds and keeps,
-    ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize. With
-    ``prepared``, its kernels are the calls kept there (no ``stats`` then). With ``record`` (a DDP bucket's), the
-    quantize measures its rounding on the bucket's sampled passes, into a sample of its own in the record's list."""
+    ``LayoutResiduals.chunk_residuals``), all-to-all, float32 sum and requantize, all-gather, dequantize; over two
+    ranks quantize, one all-gather of the whole rows and their float32 sum in rank order (``_gathered``: the second
+    stage stays unused). With ``prepared``, its kernels are the calls kept there (no ``stats`` then). With
+    ``record`` (a DDP bucket's), the quantize measures its rounding on the bucket's sampled passes, into a sample of
+    its own in the record's list."""
     if prepared is not None and (stats is not None or record is not None):
         raise ValueError("an exchange through prepared calls takes no statistics and measures no rounding")
     fmt, sizes = wire.comm_dtype, layout.sizes
     row = kernels.row_bytes(fmt)
     send = torch.empty(layout.n_rows * row, dtype=torch.uint8, device=buffer.device)
-    recv = torch.empty_like(send)
-    shard = torch.empty(layout.rows_per_shard * row, dtype=torch.uint8, device=buffer.device)
     first, second = residual if residual is not None else (None, None)
     quantize = _kernel(prepared, ("quantize", sizes, layout.n_shards, pre_scale, fmt),
                        lambda b, rows, left: kernels.quantize_blocks.prepare(b, layout, rows, pre_scale, fmt=fmt,
                                                                              residual=left),
                        buffer, send, first)
+    if record is not None:
+        sample = RoundingSample(buffer.device)
+        record.rounding.append(sample)
+        quantize = _MeasuredQuantize(quantize, record, sample,
+                                     _measure_rounding(buffer, send, layout, fmt, pre_scale, first, second))
+    if wire.one_all_gather(world_size):
+        return _gathered(buffer, fmt, layout, group, world_size, send, quantize, stats, prepared)
+    recv = torch.empty_like(send)
+    shard = torch.empty(layout.rows_per_shard * row, dtype=torch.uint8, device=buffer.device)
     reduce = _kernel(prepared, ("reduce", world_size, fmt),
                      lambda r, o, left: kernels.reduce_blocks.prepare(r, world_size, o, fmt=fmt, residual=left),
                      recv, shard, second)
@@ -135,12 +164,34 @@ def block_fp8_exchange(buffer: torch.Tensor, wire: WireFormat, layout: BlockLayo
                          lambda rows, b, st: kernels.dequantize_blocks.prepare(rows, layout, b, fmt=fmt, stats=st,
                                                                                canonical_nan=False),
                          send, buffer, stats)
-    if record is not None:
-        sample = RoundingSample(buffer.device)
-        record.rounding.append(sample)
-        quantize = _MeasuredQuantize(quantize, record, sample,
-                                     _measure_rounding(buffer, send, layout, fmt, pre_scale, first, second))
     return ShardedExchange(buffer, group, send, recv, shard, quantize, reduce, dequantize)
+
+
+def _gathered(buffer: torch.Tensor, fmt: Any, layout: BlockLayout, group: Any, world_size: int, send: torch.Tensor,
+              quantize: Callable[[], None], stats: Optional[torch.Tensor],
+              prepared: Optional[PreparedCalls]) -> GatheredExchange:
+    """``block_fp8_exchange`` over two ranks: ``quantize`` into ``send``, one all-gather of every rank's rows, and
+    their values summed in float32 in rank order (``kernels.sum_blocks``), rounded once to the bucket's dtype: a
+    float32 bucket takes the sum itself; a 16-bit one through a float32 buffer of its size and an unpack, which also
+    writes ``stats``."""
+    recv = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=buffer.device)
+    total = buffer if buffer.dtype == torch.float32 else torch.empty(layout.n_elements, dtype=torch.float32,
+                                                                       device=buffer.device)
+    add = _kernel(prepared, ("sum_blocks", world_size, layout.sizes, layout.n_shards, fmt),
+                  lambda r, o: kernels.sum_blocks.prepare(r, world_size, layout, o, fmt=fmt), recv, total)
+    if total is buffer and stats is None:
+        return GatheredExchange(buffer, group, send, recv, quantize, add, ())
+    bucket = [buffer]
+    # NaN bits are the arithmetic's (canonical_nan=False), as the dequantize's in the exchange over more ranks
+    unpack = _kernel(prepared, ("unpack", 1.0, "any NaN"),
+                     lambda f, ts, st: kernels.unpack.prepare(f, ts, 1.0, stats=st, canonical_nan=False),
+                     total, bucket, stats)
+
+    def finish() -> None:
+        add()
+        unpack()
+
+    return GatheredExchange(buffer, group, send, recv, quantize, finish, () if total is buffer else (total,))
 
 
 class _MeasuredQuantize:

@@ -11,7 +11,9 @@ A bucket of ``n`` float32 gradients at world size N can travel as
   all-reduce, the same bits (a sum of two values rounds once either way), and so is it priced;
 * ``fp8``: the same exchange in block-scaled FP8: blocks of ``BLOCK`` = 128 elements, each sent as 128 one-byte
   values and a float32 scale (132 bytes, 1.03125 bytes per element), the block count padded to a multiple of N;
-* ``fp4e2m1``: the same in block-scaled E2M1, a block's row 68 bytes (0.53125 bytes per element).
+* ``fp4e2m1``: the same in block-scaled E2M1, a block's row 68 bytes (0.53125 bytes per element). At N = 2 the
+  runtime sends either block-scaled format as one all-gather of each rank's whole rows (the same bytes per rank, one
+  collective, no requantized sum), and so is it priced.
 
 Time is the wire's only: the casts, the block scaling and the float32 sums are kernels this does not model. A
 format is priced by its own properties (``ddp_triton.formats.WireFormat``: whether it is one all-reduce at this
@@ -60,6 +62,12 @@ def _one_all_reduce(fmt: WireFormat, world_size: int) -> bool:
     return not fmt.sharded or fmt.one_all_reduce(world_size)
 
 
+def _collectives(fmt: WireFormat, world_size: int) -> int:
+    """Collectives a flat exchange in ``fmt`` issues at ``world_size``: one all-reduce, or over two ranks the
+    block-scaled formats' one all-gather (``WireFormat.one_all_gather``); else an all-to-all and an all-gather."""
+    return 1 if _one_all_reduce(fmt, world_size) or fmt.one_all_gather(world_size) else 2
+
+
 def _passes_of(fmt: WireFormat, world_size: int) -> str:
     """The class whose passes a bucket in ``fmt`` runs over ``world_size`` ranks (``HostCost``'s key): 16 bits with
     float32 sums over two ranks is one all-reduce, a 16-bit format's pack and unpack with no sum pass."""
@@ -87,6 +95,8 @@ def wire_collectives(n_elements: int, wire_format: str, world_size: int) -> List
         msg = math.ceil(n_elements / n) * n * itemsize
     else:
         msg = math.ceil(math.ceil(n_elements / BLOCK) / n) * n * fmt.row_bytes
+    if fmt.one_all_gather(n):  # every rank's whole rows gathered: the same bytes sent, in one collective
+        return [("all_gather", n * msg)]
     return [("all_to_all", msg), ("all_gather", msg)]
 
 
@@ -231,8 +241,8 @@ def collectives_of(fmt: WireFormat, fabric: Fabric) -> int:
     with one rank per node, as the runtime does)."""
     if fmt.two_level and fabric.ranks_per_node > 1 and fabric.nodes > 1:
         # the node's reduce-scatter (or all-reduce) and all-gather around the exchange between the nodes
-        return (1 if _one_all_reduce(fmt, fabric.nodes) else 2) + 2
-    return 1 if _one_all_reduce(fmt, fabric.world_size) else 2
+        return _collectives(fmt, fabric.nodes) + 2
+    return _collectives(fmt, fabric.world_size)
 
 
 def host_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost) -> float:
@@ -306,10 +316,11 @@ def chunk_stages_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: Host
         copies = 0.5 * host.two_level_ns_per_element * n_elements * 1e-3
         between = (wire_format_time_us(cross, two_level_part(on_link, ppn), fmt.traffic)
                    + host.passes_ns(_passes_of(fmt, fabric.nodes)) * part * 1e-3)
-        return [inside + copies, between + (1 if _one_all_reduce(fmt, fabric.nodes) else 2) * call,
+        return [inside + copies, between + _collectives(fmt, fabric.nodes) * call,
                 inside + copies]
     third = host.passes_ns(fmt.traffic) * n_elements * 1e-3 / 3
-    return [third, wire_format_time_us(fabric, on_link, fmt.traffic) + 2 * call + third, third]
+    return [third, wire_format_time_us(fabric, on_link, fmt.traffic) + _collectives(fmt, fabric.world_size) * call
+            + third, third]
 
 
 def chunked_time_us(fabric: Fabric, n_elements: int, fmt: WireFormat, host: HostCost, chunks: int) -> float:

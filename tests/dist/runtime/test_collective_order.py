@@ -147,7 +147,11 @@ def _order_worker(rank, world_size, options, trials, chunk_bytes=0):
                 assert calls == records[0], (f"trial {trial} ({options}): rank {other} issued its collectives in "
                                              f"another order than rank 0:\n{calls}\n{records[0]}")
         kinds = {name for name, _, _ in recorder.calls}
-        assert "all_to_all_single" in kinds or options.get("comm_dtype") == torch.bfloat16, kinds
+        over = world_size // 2 if options.get("hierarchical") else world_size  # what the format's exchange spans
+        if state.wire.one_all_gather(over):  # two ranks or nodes: each rank's whole rows in one all-gather
+            assert "all_to_all_single" not in kinds and "exchange.all_gather_into" in kinds, kinds
+        else:
+            assert "all_to_all_single" in kinds or options.get("comm_dtype") == torch.bfloat16, kinds
         if options.get("comm_dtype") == torch.float8_e4m3fn:
             assert "all_reduce" in kinds, f"no residual re-slice happened: the bucket layouts did not change {kinds}"
 

@@ -397,6 +397,10 @@ def test_exchange_buffers_are_what_the_cost_model_prices(world_size):
             assert model == {"all_reduce": n * 2}
             continue
         nbytes = exchange.send.numel() * exchange.send.element_size()
+        if WireFormat.from_options(name).one_all_gather(world_size):  # every rank's whole rows, one all-gather
+            assert model == {"all_gather": world_size * nbytes} and exchange.collective_bytes() == (nbytes, 0)
+            assert exchange.recv.numel() == world_size * nbytes
+            continue
         assert model["all_to_all"] == nbytes == world_size * exchange.shard.numel() * exchange.shard.element_size()
         assert model["all_gather"] == nbytes
     ratio = cm.wire_bytes(n, fp8.name, world_size) / cm.wire_bytes(n, bf16.name, world_size)
@@ -431,3 +435,67 @@ def test_an_fp8_bucket_without_its_parameters_is_refused_before_anything_binds(h
     with pytest.raises(ValueError, match="needs the bucket's parameters, got 0 covering 0 of 10 elements"):
         plan_bucket(torch.zeros(10), None, context)
     assert not store.layouts
+
+
+def _block_scaled_two_ranks_worker(rank, world_size, name, dtype, chunk_bytes):
+    """Over two ranks a block-scaled bucket travels as one all-gather of each rank's whole rows (one per chunk), and
+    DDP's bucket holds the float32 sum, in rank order, of the two ranks' dequantized values rounded once to its
+    dtype: no requantized sum, so no second rounding."""
+    import ddp_triton.runtime.wire_exchanges as wire_exchanges
+    from ddp_triton.runtime.chunks import CHUNK_BYTES_ENV
+    from wire_reference import quantize_dequantize
+
+    fmt = WireFormat.from_options(name).comm_dtype
+    gen = torch.Generator().manual_seed(11)
+    n = 128 * 40 + 57  # 41 blocks, the last one short
+    per_rank = [(torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 3, (n,), generator=gen)).to(dtype)
+                for _ in range(2)]
+    model = Given(n).to(dtype)
+    model.grad_values = per_rank[rank]
+    ddp = DDP(model)
+    calls = {"all_gather": 0, "all_to_all": 0}
+    gather, all_to_all = wire_exchanges.all_gather_into, dist.all_to_all_single
+
+    def counted(kind, collective):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return collective(*args, **kwargs)
+        return call
+
+    os.environ[CHUNK_BYTES_ENV] = str(chunk_bytes)  # read when the state binds: at register
+    try:
+        state = ddp_triton.register(ddp, comm_dtype=name, grad_stats=True)
+    finally:
+        del os.environ[CHUNK_BYTES_ENV]
+    wire_exchanges.all_gather_into = counted("all_gather", gather)
+    dist.all_to_all_single = counted("all_to_all", all_to_all)
+    try:
+        ddp().backward()  # the first step: the residuals are zero
+    finally:
+        wire_exchanges.all_gather_into, dist.all_to_all_single = gather, all_to_all
+    sent = [quantize_dequantize(g.float() * 0.5, fmt) for g in per_rank]
+    want = (sent[0] + sent[1]).to(dtype)
+    assert not torch.equal(want.float(), quantize_dequantize(want.float(), fmt))  # a second rounding would show
+    assert_same_bits(model.weight.grad, want)
+    chunks = {e.record.collectives_per_pass for e in state.plans.values()}
+    assert calls == {"all_gather": sum(chunks), "all_to_all": 0} and (chunks == {1}) == (chunk_bytes == 0), calls
+    # the statistics of what was stored: float32 sums of squares in an order of the kernels' own, 1e-5 apart at most
+    torch.testing.assert_close(state.grad_norm().double(), want.double().norm(), rtol=1e-5, atol=0)
+    summary = state.summary()
+    row = 132 if name.startswith("fp8") else 68
+    # every row once: 41 blocks, each chunk's rows padded to an even count (one empty row for the whole bucket)
+    count = sum(chunks)
+    assert summary.wire_bytes_per_step % (2 * row) == 0, str(summary)
+    assert 42 * row <= summary.wire_bytes_per_step <= (41 + count) * row, str(summary)
+    if count == 1:
+        assert summary.wire_bytes_per_step == 42 * row, str(summary)
+
+
+@pytest.mark.parametrize("name, dtype, chunk_bytes", [
+    pytest.param("fp8e4m3+ef", torch.float32, 0, id="fp8-float32"),
+    pytest.param("fp4e2m1+ef", torch.float32, 0, id="fp4-float32"),
+    pytest.param("fp4e2m1+ef", torch.bfloat16, 0, id="fp4-bfloat16"),
+    pytest.param("fp8e4m3+ef", torch.float32, 1024, id="fp8-chunks"),
+])
+def test_at_two_ranks_block_scaled_is_one_all_gather_and_one_rounding(name, dtype, chunk_bytes):
+    torch_path_workers(_block_scaled_two_ranks_worker, 2, name, dtype, chunk_bytes)

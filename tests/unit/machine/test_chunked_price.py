@@ -79,12 +79,13 @@ def test_the_model_prices_chunks_where_the_runtime_cuts_them():
 
 def test_the_count_without_the_link_rate_is_the_count_where_the_link_limits():
     """``link_bound_chunk_count`` (the runtime's: no NIC rate known) on links slow enough to be the slowest stage,
-    at two rates: within one of the best count, and priced within 1% of the best."""
+    at two rates: near the best count (within an eighth: around its minimum the price is flat, its bumps from whole
+    blocks per chunk 0.1% apart), and priced within 1% of the best."""
     host, n = cm.CPU_HOST_COST, 25 << 18
     guessed = cm.link_bound_chunk_count(EMULATED_200MBIT, n, 4, TWO_LEVEL_FP8, host)
     for rate in (0.0125, 0.025):
         fabric = cm.Fabric(ranks_per_node=2, nodes=2, inter_gbps=rate, intra_gbps=0.44, intra_link="pcie")
         best = cm.best_chunk_count(fabric, n, TWO_LEVEL_FP8, host)
-        assert abs(best - guessed) <= 1, (rate, best, guessed)
+        assert abs(best - guessed) <= max(1, best // 8), (rate, best, guessed)
         assert cm.chunked_time_us(fabric, n, TWO_LEVEL_FP8, host, guessed) <= 1.01 * cm.chunked_time_us(
             fabric, n, TWO_LEVEL_FP8, host, best)
