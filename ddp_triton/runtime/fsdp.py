@@ -213,7 +213,7 @@ class ReplicaAverage:
     """FSDP2's all-reduce hook: each FSDP group's reduce-scattered shard averaged over the replicas in ``wire``.
 
     In FP8 the exchange is DDP's flat one over the replicas (quantize, all-to-all, float32 sum and requantize,
-    all-gather), its blocks following each parameter's chunk in the shard; with error feedback at both roundings,
+    all-gather; over two replicas one all-gather of the whole rows and their float32 sum), its blocks following each parameter's chunk in the shard; with error feedback at both roundings,
     this rank's residuals being ``residuals`` (first stage: every element of its shard; second: the rows it
     reduces)."""
 

@@ -7,7 +7,8 @@ With L ranks on each of M nodes (``nodes.py``), per bucket of n elements, cut in
    reduce-scatter inside the node: local rank j gets the node's sum of part j, summed in the bucket's dtype.
 2. the node-crossing exchange of part j among the ranks with local index j on every node (the cross group), in the
    wire format, exactly as the flat exchange of that format over M ranks: one all-reduce in the comm dtype, or the
-   all-to-all / float32 sum / all-gather of the formats summed in float32; for FP8, block-scaled with blocks of 128
+   all-to-all / float32 sum / all-gather of the formats summed in float32 (over two nodes FP8's is one all-gather
+   and a float32 sum, ``WireFormat.one_all_gather``); for FP8, block-scaled with blocks of 128
    that follow the parameters inside the part (a parameter cut at a part's edge starts a block there), and error
    feedback with residuals kept per parameter (``residuals.py``: this rank's first stage is its part's).
 3. all-gather inside the node of the averaged parts into the send buffer, and unpack into DDP's bucket (with the
