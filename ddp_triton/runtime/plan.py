@@ -164,7 +164,8 @@ def plan_bucket(buffer: torch.Tensor, bucket: Any, ctx: Context, format_name: Op
                                  ctx.chunk_bytes)
             offsets, layouts = fp8_chunk_layouts(sizes, ctx.world_size, chunks)
             if wire.error_feedback:
-                residuals = ctx.residuals.for_layout(ids, sizes, layouts, ctx.group, buffer.device)
+                residuals = ctx.residuals.for_layout(ids, sizes, layouts, ctx.group, buffer.device,
+                                                     second_stage=not wire.one_all_gather(ctx.world_size))
             if len(layouts) == 1:
                 exchange = block_fp8_exchange(buffer, wire, layouts[0], ctx.group, ctx.world_size, pre,
                                               residuals.chunk_residuals()[0] if residuals is not None else None, stats,

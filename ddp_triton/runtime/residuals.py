@@ -143,7 +143,8 @@ class ResidualStore:
 
     def for_layout(self, params: Tuple[int, ...], sizes: Tuple[int, ...], layouts: Sequence[BlockLayout],
                    group: Any, device: torch.device, span: Optional[Tuple[int, int]] = None,
-                   shard: Optional[int] = None, node_group: Any = None) -> LayoutResiduals:
+                   shard: Optional[int] = None, node_group: Any = None,
+                   second_stage: bool = True) -> LayoutResiduals:
         """The residuals of this layout (``layouts``: its chunks' block grids): made at its first bucket, from what
         earlier layouts or a load left.
 
@@ -151,7 +152,10 @@ class ResidualStore:
         default the whole bucket and this rank's rank in ``group`` (the flat exchange). Collective over ``group``
         when an earlier layout shares parameters with this one (an all-reduce of their second stage). Two-level
         (``node_group`` given): collective over the node group too, always: each rank holds the first stage of its
-        own part only, so the node's ranks add up what they hold and each takes its new part.
+        own part only, so the node's ranks add up what they hold and each takes its new part. ``second_stage``
+        False: the layout's exchange has no second rounding (two participants, ``WireFormat.one_all_gather``), so
+        what an earlier layout or a load left in the second stage joins the first stage of the rank that owns its
+        row, to be sent at the next step: once, by one rank.
         """
         found = self.layouts.get(params)
         if found is not None and found.sizes == sizes:
@@ -168,9 +172,13 @@ class ResidualStore:
             first_values, second_values = self._take_pending(params, sizes, device, RESIDUAL_DTYPE)
             if node_group is not None:  # each element's first stage is one node rank's (or none's): a gather
                 run_collective("all_reduce", _MOVE, dist.all_reduce, first_values, group=node_group)
-            first.copy_(first_values[span[0]:span[1]])
             elements, places = held.second_places()
-            second.index_copy_(0, places, second_values.index_select(0, elements))
+            if second_stage:
+                second.index_copy_(0, places, second_values.index_select(0, elements))
+            else:  # added in float32, rounded once, as the kernels keep a residual
+                owed = first_values.index_select(0, elements).float() + second_values.index_select(0, elements).float()
+                first_values.index_copy_(0, elements, owed.to(RESIDUAL_DTYPE))
+            first.copy_(first_values[span[0]:span[1]])
         self.layouts[params] = held
         return held
 

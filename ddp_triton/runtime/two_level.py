@@ -81,7 +81,8 @@ def two_level_exchange(buffer: torch.Tensor, params: Tuple[int, ...], sizes: Tup
                    for a, b in zip(mine, mine[1:])]
         if wire.error_feedback:
             residuals = store.for_layout(params, sizes, layouts, group, buffer.device, span=(start, start + mine[-1]),
-                                         shard=nodes.node_index, node_group=nodes.node_group)
+                                         shard=nodes.node_index, node_group=nodes.node_group,
+                                         second_stage=not wire.one_all_gather(nodes.n_nodes))
     per_chunk = residuals.chunk_residuals() if residuals is not None else [None] * len(slots)
     pieces = [[(j * part + c[k], j * part + c[k + 1], j * slots[k]) for j, c in enumerate(offsets)]
               for k in range(len(slots))]

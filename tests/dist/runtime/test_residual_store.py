@@ -99,3 +99,27 @@ def _move_to_a_new_layout(rank, world_size):
 
 def test_a_new_layout_takes_the_second_stage_bit_for_bit_in_one_bfloat16_gather():
     run_workers(_move_to_a_new_layout, 2)
+
+
+def _second_stage_joins_the_first_at_two(rank, world_size):
+    store, group = ResidualStore(), dist.group.WORLD
+    sizes = (300, 212)
+    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    held.first.fill_(0.5 * (rank + 1))
+    held.second.fill_(0.25)  # what requantizing the sums left: 0.25 an element, each element's on one rank
+    owed_before = torch.zeros(sum(sizes))
+    owed_before += held.first_in_bucket().float() + held.whole_second(None).float()
+    dist.all_reduce(owed_before)
+    # The same parameters bound again by an exchange with no second rounding (two ranks: one all-gather).
+    again = store.for_layout((2, 1), (212, 300), [block_layout((212, 300), world_size)], group,
+                             torch.device("cpu"), second_stage=False)
+    assert not again.second.any()
+    owed_after = again.first_in_bucket().float()
+    dist.all_reduce(owed_after)
+    by_param_before = {1: owed_before[:300], 2: owed_before[300:]}
+    assert torch.equal(owed_after[:212], by_param_before[2]) and torch.equal(owed_after[212:], by_param_before[1])
+    assert set(again.first.unique().tolist()) == {0.5 * (rank + 1), 0.5 * (rank + 1) + 0.25}  # the owner adds it
+
+
+def test_at_two_ranks_the_second_stage_owed_is_sent_with_the_first_once():
+    run_workers(_second_stage_joins_the_first_at_two, 2)
