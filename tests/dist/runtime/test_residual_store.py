@@ -11,6 +11,13 @@ from ddp_triton.kernels import block_layout
 from ddp_triton.runtime.residuals import ResidualStore
 
 
+def _bound_two_parameters(world_size):
+    """A store with one layout bound: parameters 1 and 2, of 300 and 212 elements."""
+    store, group, sizes = ResidualStore(), dist.group.WORLD, (300, 212)
+    return store, group, sizes, store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group,
+                                                 torch.device("cpu"))
+
+
 def _same_ids_other_sizes(rank, world_size):
     store, group = ResidualStore(), dist.group.WORLD
     old = store.for_layout((7,), (256,), [block_layout((256,), world_size)], group, torch.device("cpu"))
@@ -43,9 +50,7 @@ def test_a_bucket_without_error_feedback_takes_every_ranks_residuals_once():
 
 
 def _snapshot_and_regroup(rank, world_size):
-    store, group = ResidualStore(), dist.group.WORLD
-    sizes = (300, 212)
-    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    store, group, sizes, held = _bound_two_parameters(world_size)
     held.first.fill_(float(rank + 1))
     held.second.fill_(0.5)
     saved = store.snapshot()
@@ -71,9 +76,7 @@ def test_a_thrown_away_step_is_restored_and_a_new_group_takes_what_each_rank_hel
 
 
 def _move_to_a_new_layout(rank, world_size):
-    store, group = ResidualStore(), dist.group.WORLD
-    sizes = (300, 212)
-    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    store, group, sizes, held = _bound_two_parameters(world_size)
     gen = torch.Generator().manual_seed(rank)
     held.second.copy_(torch.randn(held.second.numel(), generator=gen))  # each rank's own rows, bfloat16 values
     before = held.whole_second(group)
@@ -102,9 +105,7 @@ def test_a_new_layout_takes_the_second_stage_bit_for_bit_in_one_bfloat16_gather(
 
 
 def _second_stage_joins_the_first_at_two(rank, world_size):
-    store, group = ResidualStore(), dist.group.WORLD
-    sizes = (300, 212)
-    held = store.for_layout((1, 2), sizes, [block_layout(sizes, world_size)], group, torch.device("cpu"))
+    store, group, sizes, held = _bound_two_parameters(world_size)
     held.first.fill_(0.5 * (rank + 1))
     held.second.fill_(0.25)  # what requantizing the sums left: 0.25 an element, each element's on one rank
     owed_before = torch.zeros(sum(sizes))
