@@ -206,7 +206,10 @@ def train(task: Any, q, n_ranks: int, steps: int, error_feedback: bool = True,
     optimizer = torch.optim.AdamW(params, lr=task.lr)
     if exact is not None and q is not None:
         unrounded = grid.of(torch.cat([torch.full((p.numel(),), float(exact(name))) for name, p in named])) > 0
-        q = (lambda rounding: lambda g: torch.where(unrounded, g, rounding(g)))(q)
+        rounding = q
+
+        def q(g: torch.Tensor) -> torch.Tensor:
+            return torch.where(unrounded, g, rounding(g))
     stored = (lambda t: t) if residual_dtype == torch.float32 else (lambda t: t.to(residual_dtype).float())
     first = [torch.zeros(grid.rows, BLOCK) for _ in range(n_ranks)]
     second = torch.zeros(grid.rows, BLOCK)

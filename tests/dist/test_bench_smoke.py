@@ -566,3 +566,9 @@ def test_fp4_lag_benchmark_smoke(tmp_path):
     assert abs(rows["fp32 by hand"]["vs_fp32"]) < 1e-4
     assert rows["e2m1+ef"]["vs_fp32"] != 0.0  # the rounding moves the trajectory
     assert {f"e2m1+ef, exact {g}" for g in fp4_lag.EXACT_GROUPS} <= set(rows)
+    # Every parameter named exact: no rounding anywhere, so the float32 average's losses to the bit.
+    from bench import fp4_candidates
+    from bench.quality import CharTask
+
+    task, e2m1 = CharTask(True), lambda g: fp4_candidates.quantize(g, fp4_lag.SHIPPED)
+    assert fp4_candidates.train(task, e2m1, 2, 5, exact=lambda name: True) == fp4_candidates.train(task, None, 2, 5)
